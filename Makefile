@@ -1,0 +1,28 @@
+# Two commands for a fresh machine: `make demo` and `make test` (both set up the environment).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gstrain-installed
+
+.PHONY: setup demo test lint clean-demo
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	rm -rf runs/demo runs/demo_scene
+	$(VENV)/bin/gstrain demo-scene runs/demo_scene
+	$(VENV)/bin/gstrain fit runs/demo_scene --config configs/demo.yaml --out runs/demo
+	$(VENV)/bin/gstrain eval runs/demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check gstrain tests scripts

@@ -1,0 +1,252 @@
+"""One typed config: dataclass defaults, merged with configs/*.yaml and command-line overrides.
+
+Unknown keys and values of the wrong type are user errors (exit 2), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gstrain.errors import UserError
+
+# "gsplat" swaps in gsplat's own rasterize_to_pixels (forward and backward): the peer we measure against.
+ATOMIC_MODES = ("atomic", "warp", "distwar", "arc", "gsplat")
+BACKENDS = ("auto", "reference", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("default", "mcmc")
+
+
+@dataclass
+class DataConfig:
+    factor: int = 1  # downscale factor; images_<factor>/ is used when present
+    test_every: int = 8  # every Nth image (sorted by name) is held out; 0 = none
+    background: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+
+@dataclass
+class ModelConfig:
+    sh_degree: int = 3
+    init: str = "sfm"  # sfm | random (random points when the SfM cloud is empty or unwanted)
+    init_points: int = 100_000  # count for init=random
+    init_opacity: float = 0.1
+    init_scale: float = 1.0
+
+
+@dataclass
+class OptimConfig:
+    # 3DGS / gsplat defaults. The position rate is multiplied by the scene extent and decays
+    # exponentially to means_lr_final over the run.
+    means_lr: float = 1.6e-4
+    means_lr_final: float = 1.6e-6
+    scales_lr: float = 5e-3
+    quats_lr: float = 1e-3
+    opacities_lr: float = 5e-2
+    sh0_lr: float = 2.5e-3
+    shN_lr: float = 2.5e-3 / 20
+    eps: float = 1e-15
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30_000
+    ssim_lambda: float = 0.2
+    sh_degree_interval: int = 1000  # raise the active SH degree every N steps
+    seed: int = 42
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "default"  # default (gsplat DefaultStrategy) | mcmc (gsplat MCMCStrategy, CUDA only)
+    refine_start: int = 500
+    refine_stop: int = 15_000
+    refine_every: int = 100
+    reset_every: int = 3000
+    grow_grad2d: float = 2e-4
+    grow_scale3d: float = 0.01
+    prune_opa: float = 0.005
+    prune_scale3d: float = 0.1
+    absgrad: bool = False
+    cap_max: int = 1_000_000  # mcmc only
+
+
+@dataclass
+class RenderConfig:
+    backend: str = "auto"  # auto: our CUDA kernels on a GPU, the PyTorch reference on the CPU
+    atomic_mode: str = "arc"  # atomic | warp | distwar | arc | gsplat (gsplat's rasterizer)
+    atomic_threshold: int = 8  # distwar's T (arc tunes its own)
+
+
+@dataclass
+class LogConfig:
+    progress_every: int = 25  # progress bar / NaN check cadence (each is one host sync)
+    tb_every: int = 100  # TensorBoard scalars and per-phase timings
+    eval_steps: list[int] = field(default_factory=lambda: [7000, 30_000])
+    save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports
+    ckpt_every: int = 1000  # full checkpoints, so a crash or NaN loses at most this many steps
+    keep_ckpts: int = 2
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    render: RenderConfig = field(default_factory=RenderConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check/convert one value against its dataclass annotation; raise UserError on mismatch."""
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, item_type, key) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported annotation for {key}")  # not used by our dataclasses
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise UserError(f"config key '{key}' expects true/false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise UserError(f"config key '{key}' expects an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key '{key}' expects an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key '{key}' expects a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise UserError(f"config key '{key}' expects a string, got {value!r}")
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def _field_types(obj: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(obj))
+
+
+def merge_dict(cfg: Config, updates: dict[str, Any], origin: str = "config") -> Config:
+    """Apply a nested {section: {key: value}} mapping onto cfg in place; unknown keys are errors."""
+    if not isinstance(updates, dict):
+        raise UserError(f"{origin}: expected a mapping of sections, got {type(updates).__name__}")
+    sections = _field_types(cfg)
+    for section, values in updates.items():
+        if section not in sections:
+            raise UserError(f"{origin}: unknown config section '{section}' (known: {', '.join(sections)})")
+        sub = getattr(cfg, section)
+        if not isinstance(values, dict):
+            raise UserError(f"{origin}: section '{section}' must be a mapping")
+        types_ = _field_types(sub)
+        for key, value in values.items():
+            if key not in types_:
+                raise UserError(
+                    f"{origin}: unknown config key '{section}.{key}' (known: {', '.join(types_)})"
+                )
+            setattr(sub, key, _coerce(value, types_[key], f"{section}.{key}"))
+    return cfg
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "parse error"
+        raise UserError(f"config file {path} is not valid YAML: {first}") from None
+    return data or {}
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """'section.key=value' -> {section: {key: value}}, value parsed as YAML (numbers, lists, bools)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise UserError(f"override '{text}' must look like section.key=value (e.g. train.steps=1000)")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return {section: {key: value}}
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that a type check cannot do."""
+
+    def choice(value: str, options: tuple[str, ...], key: str) -> None:
+        if value not in options:
+            raise UserError(f"{key} must be one of {', '.join(options)}; got '{value}'")
+
+    choice(cfg.render.backend, BACKENDS, "render.backend")
+    choice(cfg.render.atomic_mode, ATOMIC_MODES, "render.atomic_mode")
+    choice(cfg.train.device, DEVICES, "train.device")
+    choice(cfg.strategy.name, STRATEGIES, "strategy.name")
+    choice(cfg.model.init, ("sfm", "random"), "model.init")
+    if cfg.train.steps < 1:
+        raise UserError(f"train.steps must be >= 1; got {cfg.train.steps}")
+    if cfg.data.factor < 1:
+        raise UserError(f"data.factor must be >= 1; got {cfg.data.factor}")
+    if not 0 <= cfg.model.sh_degree <= 3:
+        raise UserError(f"model.sh_degree must be 0..3; got {cfg.model.sh_degree}")
+    if not 1 <= cfg.render.atomic_threshold <= 32:
+        raise UserError(f"render.atomic_threshold must be 1..32; got {cfg.render.atomic_threshold}")
+    if len(cfg.data.background) != 3:
+        raise UserError("data.background must be three numbers (RGB in 0..1)")
+    if not 0.0 <= cfg.train.ssim_lambda <= 1.0:
+        raise UserError(f"train.ssim_lambda must be in [0, 1]; got {cfg.train.ssim_lambda}")
+    return cfg
+
+
+def build_config(
+    config_files: list[str | Path] | None = None,
+    overrides: list[dict[str, Any]] | None = None,
+) -> Config:
+    """Defaults <- each YAML file in order <- each override mapping in order, then validated."""
+    cfg = Config()
+    for path in config_files or []:
+        merge_dict(cfg, load_yaml(path), origin=str(path))
+    for update in overrides or []:
+        merge_dict(cfg, update, origin="command line")
+    return validate(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from its saved dict (config.yaml of a run, or a checkpoint)."""
+    return validate(merge_dict(Config(), data, origin="saved config"))
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,1 @@
+"""Scene loading: COLMAP scenes through pycolmap, and the generated demo scene."""

@@ -1,0 +1,248 @@
+"""`gstrain profile`: time training iterations per rasterizer mode, on the same Gaussians and views.
+
+Every mode starts from the same parameters and optimizer state and walks the same views, so the
+per-phase medians differ only by the rasterizer. Densification runs its bookkeeping but never
+changes the Gaussian set, so all modes see the same population. Timings are CUDA events.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gstrain.config import Config, build_config
+from gstrain.errors import UserError
+
+PROFILE_MODES = ("atomic", "warp", "distwar", "arc", "gsplat")
+# (label, phase key) rows of the table; backward_rest and total are derived.
+TABLE_ROWS = (
+    ("projection", "projection"),
+    ("rasterize forward", "raster_fwd"),
+    ("loss", "loss"),
+    ("rasterize backward", "raster_bwd"),
+    ("rest of backward", "backward_rest"),
+    ("optimizer", "optimizer"),
+    ("densification", "densify"),
+    ("step total", "total"),
+)
+
+
+@dataclass
+class Workload:
+    """What every mode trains on: parameters, cameras and target images, all on the device."""
+
+    name: str
+    params: dict[str, torch.Tensor]
+    cameras: list[tuple[torch.Tensor, torch.Tensor, int, int]]  # (viewmat, K, width, height)
+    targets: list[torch.Tensor]  # [H, W, 3] float in [0, 1]
+    extent: float
+    sh_degree: int
+
+
+def _views_workload(name: str, params, views, extent: float, sh_degree: int, device) -> Workload:
+    return Workload(
+        name=name,
+        params={k: v.detach().to(device) for k, v in params.items()},
+        cameras=[(v.viewmat.to(device), v.K.to(device), v.width, v.height) for v in views],
+        targets=[v.image.to(device).float() / 255.0 for v in views],
+        extent=extent,
+        sh_degree=sh_degree,
+    )
+
+
+def load_workload(target: Path, cfg: Config, device: torch.device, npz_scale: int = 1) -> Workload:
+    """A COLMAP scene (Gaussians from its SfM points), a trained run (its last checkpoint), or a
+    test_garden-style .npz (means3d, colors, viewmats, Ks, width, height)."""
+    from gstrain.data.colmap import load_scene
+    from gstrain.model import init_gaussians
+    from gstrain.run_dir import is_run_dir, load_run
+    from gstrain.train.checkpoint import require_checkpoint
+
+    if not target.exists():
+        raise UserError(f"profile target not found: {target}")
+    if target.suffix == ".npz":
+        return _npz_workload(target, cfg, device, npz_scale)
+    if is_run_dir(target):
+        run_cfg, meta = load_run(target)
+        state = require_checkpoint(target)
+        scene = load_scene(Path(meta["scene"]), factor=cfg.data.factor or run_cfg.data.factor)
+        degree = min(int(state["step"]) // run_cfg.train.sh_degree_interval, run_cfg.model.sh_degree)
+        return _views_workload(target.name, state["params"], scene.train, scene.extent, degree, device)
+    scene = load_scene(target, factor=cfg.data.factor, test_every=cfg.data.test_every)
+    if len(scene.points) == 0:
+        raise UserError(f"the sparse model in {target} has no 3D points to profile with")
+    params = init_gaussians(scene.points, scene.point_colors, sh_degree=cfg.model.sh_degree,
+                            init_opacity=cfg.model.init_opacity, device="cpu")
+    return _views_workload(target.name, params, scene.train, scene.extent, cfg.model.sh_degree, device)
+
+
+def _npz_workload(path: Path, cfg: Config, device: torch.device, scale: int) -> Workload:
+    from gstrain.model import init_gaussians
+
+    try:
+        data = np.load(path)
+        means, colors = data["means3d"], data["colors"]
+        viewmats, Ks = data["viewmats"], data["Ks"].copy()
+        width, height = int(data["width"]) * scale, int(data["height"]) * scale
+    except (OSError, KeyError, ValueError) as exc:
+        raise UserError(f"{path}: not a test_garden-style .npz ({exc})") from None
+    Ks[:, :2] *= scale
+    params = init_gaussians(means, colors, sh_degree=cfg.model.sh_degree, init_opacity=cfg.model.init_opacity)
+    gen = torch.Generator().manual_seed(0)
+    # No photos come with it: a fixed random target makes every pixel carry a gradient.
+    targets = [torch.rand(height, width, 3, generator=gen).to(device) for _ in range(len(viewmats))]
+    cameras = [
+        (torch.from_numpy(v).float().to(device), torch.from_numpy(k).float().to(device), width, height)
+        for v, k in zip(viewmats, Ks, strict=True)
+    ]
+    centres = np.stack([-v[:3, :3].T @ v[:3, 3] for v in viewmats])
+    extent = float(1.1 * np.linalg.norm(centres - centres.mean(0), axis=1).max())
+    params = {k: v.detach().to(device) for k, v in params.items()}
+    return Workload(path.stem, params, cameras, targets, max(extent, 1e-3), cfg.model.sh_degree)
+
+
+def profile_mode(work: Workload, cfg: Config, mode: str, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Per-iteration phase times (ms) of `iters` training steps in one rasterizer mode."""
+    from gstrain.render import Renderer
+    from gstrain.train.losses import photometric_loss
+    from gstrain.train.optim import build_optimizers
+    from gstrain.train.strategy import Densifier
+    from gstrain.train.timing import PhaseTimer
+
+    device = work.targets[0].device
+    mode_cfg = copy.deepcopy(cfg)
+    mode_cfg.render.atomic_mode = mode
+    # bookkeeping on every step, but the set of Gaussians never changes while we measure
+    mode_cfg.strategy.refine_start = 10**9
+    params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
+    optimizers = build_optimizers(params, mode_cfg.optim, work.extent)
+    densifier = Densifier(mode_cfg.strategy, work.extent, device)
+    renderer = Renderer(mode_cfg.render, device)
+    timer = PhaseTimer(device)
+    background = torch.zeros(3, device=device)
+    samples: dict[str, list[float]] = {}
+    tuner = renderer.tuner
+    step = 0
+    while True:
+        measuring = step >= warmup and not (tuner is not None and tuner.tuning)
+        viewmat, K, width, height = work.cameras[step % len(work.cameras)]
+        gt = work.targets[step % len(work.targets)]
+        with timer.phase("forward"):
+            image, _, info = renderer(params, viewmat, K, width, height, work.sh_degree, background, timer=timer)
+        densifier.pre_backward(params, optimizers, step, info)
+        with timer.phase("loss"):
+            loss, _ = photometric_loss(image, gt, mode_cfg.train.ssim_lambda)
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            for opt in optimizers.values():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        with timer.phase("densify"):
+            densifier.post_backward(params, optimizers, step, info, optimizers["means"].param_groups[0]["lr"])
+        timer.step_done()
+        phases = timer.summary()  # one sync per iteration: fine here, we time GPU work with events
+        if tuner is not None:
+            tuner.poll()
+        step += 1
+        if not measuring:
+            continue
+        phases["backward_rest"] = phases["backward"] - phases.get("raster_bwd", 0.0)
+        phases["total"] = sum(phases[k] for k in ("forward", "loss", "backward", "optimizer", "densify"))
+        for key, value in phases.items():
+            samples.setdefault(key, []).append(value)
+        if len(samples["total"]) >= iters:
+            break
+        if step > warmup + iters + 10_000:
+            raise RuntimeError("the ARC tuner never finished tuning")
+    if tuner is not None:
+        samples["arc_threshold"] = [float(tuner.threshold)]
+    return samples
+
+
+def _median(values: list[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def format_table(medians: dict[str, dict[str, float | None]]) -> str:
+    modes = list(medians)
+    lines = ["| phase (median ms) | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for label, key in TABLE_ROWS:
+        cells = [f"{medians[m].get(key):.3f}" if medians[m].get(key) is not None else "-" for m in modes]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for base in ("atomic", "gsplat"):
+        if base not in medians:
+            continue
+        for key, label in (("raster_bwd", "rasterize backward"), ("total", "step")):
+            ref = medians[base].get(key)
+            cells = []
+            for m in modes:
+                v = medians[m].get(key)
+                cells.append(f"{ref / v:.2f}x" if ref and v else "-")
+            lines.append(f"| {label} speedup vs {base} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_profile(
+    target: Path,
+    modes: list[str],
+    iters: int = 50,
+    warmup: int = 10,
+    factor: int | None = None,
+    npz_scale: int = 1,
+    config_files: list[Path] | None = None,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise UserError("gstrain profile times our CUDA kernels and needs a CUDA GPU")
+    for mode in modes:
+        if mode not in PROFILE_MODES:
+            raise UserError(f"--atomic-mode must be one of {', '.join(PROFILE_MODES)} or all; got '{mode}'")
+    if iters < 1 or warmup < 0:
+        raise UserError("--iters must be >= 1 and --warmup >= 0")
+    overrides = [{"data": {"factor": factor}}] if factor else []
+    cfg = build_config(config_files, overrides)
+    device = torch.device("cuda")
+    work = load_workload(target, cfg, device, npz_scale)
+    n = int(work.params["means"].shape[0])
+    width, height = work.cameras[0][2], work.cameras[0][3]
+    log(f"gstrain: profiling {work.name}: {n} Gaussians, {len(work.cameras)} views at {width}x{height}")
+    results: dict[str, dict[str, list[float]]] = {}
+    for mode in tqdm(modes, desc="profile", unit="mode"):
+        results[mode] = profile_mode(work, cfg, mode, iters, warmup)
+    medians = {m: {k: _median(v) for k, v in s.items()} for m, s in results.items()}
+    table = format_table(medians)
+    report = {
+        "target": str(target),
+        "gpu": torch.cuda.get_device_name(),
+        "num_gaussians": n,
+        "views": len(work.cameras),
+        "resolution": [width, height],
+        "iters": iters,
+        "warmup": warmup,
+        "median_ms": medians,
+        "samples_ms": results,
+        "table": table,
+    }
+    out_dir = out_dir or (target if target.is_dir() and (target / "run.json").exists() else Path("runs") / "profile")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "profile.json").write_text(json.dumps(report, indent=2))
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(out_dir / "tb")) as writer:
+        for mode, med in medians.items():
+            for _, key in TABLE_ROWS:
+                if med.get(key) is not None:
+                    writer.add_scalar(f"profile_ms/{key}/{mode}", med[key], 0)
+    report["out_dir"] = str(out_dir)
+    return report

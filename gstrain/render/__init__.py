@@ -1,0 +1,115 @@
+"""render(params, view) -> (image, alpha, info), on our CUDA kernels or the PyTorch reference.
+
+`info` carries what gsplat's strategies read: means2d (the tensor whose gradient they collect),
+radii, width, height, n_cameras.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gstrain.config import RenderConfig
+from gstrain.errors import UserError
+
+
+def resolve_device(requested: str) -> torch.device:
+    """auto -> cuda when a GPU is usable, else cpu; an explicit cuda without a GPU is a user error."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if requested == "cuda":
+        raise UserError("--device cuda was asked for, but no CUDA GPU is available to PyTorch")
+    return torch.device("cpu")
+
+
+class Renderer:
+    """Chooses the backend once, and owns the ARC tuner that re-tunes after densification."""
+
+    def __init__(self, cfg: RenderConfig, device: torch.device, absgrad: bool = False) -> None:
+        backend = cfg.backend
+        if backend == "auto":
+            backend = "cuda" if device.type == "cuda" else "reference"
+        if backend == "cuda" and device.type != "cuda":
+            raise UserError("render.backend=cuda needs a CUDA GPU; use --device cuda on a GPU machine")
+        self.backend = backend
+        self.cfg = cfg
+        self.absgrad = absgrad
+        self.tuner = None
+        if backend == "cuda":
+            from gstrain.render.arc import ArcTuner
+            from gstrain.render.cuda import ensure_built
+
+            ensure_built()
+            if cfg.atomic_mode == "arc":
+                self.tuner = ArcTuner()
+
+    def __call__(
+        self,
+        params: torch.nn.ParameterDict,
+        viewmat: torch.Tensor,
+        K: torch.Tensor,
+        width: int,
+        height: int,
+        sh_degree: int,
+        background: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if self.backend == "cuda":
+            from gstrain.render.cuda import render_cuda
+
+            return render_cuda(
+                params, viewmat, K, width, height, sh_degree, background,
+                absgrad=self.absgrad,
+                atomic_mode=self.cfg.atomic_mode,
+                atomic_threshold=self.cfg.atomic_threshold,
+                tuner=self.tuner,
+            )
+        from gstrain.render.reference import render_reference
+
+        return render_reference(params, viewmat, K, width, height, sh_degree, background, absgrad=self.absgrad)
+
+    def render_depth(
+        self,
+        params: torch.nn.ParameterDict,
+        viewmat: torch.Tensor,
+        K: torch.Tensor,
+        width: int,
+        height: int,
+    ) -> torch.Tensor:
+        """Expected depth along each pixel ray, [H,W,1]: sum(w_i d_i) / alpha, 0 where nothing is hit.
+
+        Camera-space z of each Gaussian's centre, composited with the same weights as colour.
+        """
+        if self.backend == "cuda":
+            # TODO(lead, render/cuda owner): composite a 1-channel depth on our kernels; until then
+            # gstrain.video falls back to a reference-backend Renderer on the same device.
+            raise NotImplementedError("depth rendering on the cuda backend is not implemented yet")
+        from gstrain.render.reference import project_gaussians, rasterize
+
+        means = params["means"]
+        proj = project_gaussians(
+            means, params["quats"], torch.exp(params["scales"]), viewmat.to(means), K.to(means), width, height
+        )
+        acc, alpha = rasterize(
+            proj.means2d, proj.conics, proj.depths[:, None], torch.sigmoid(params["opacities"]),
+            proj.radii, proj.depths, width, height,
+        )  # fmt: skip
+        # below 1/255 coverage the ratio is noise (and 0/0 where nothing is hit)
+        covered = alpha > 1.0 / 255.0
+        return torch.where(covered, acc / alpha.clamp_min(1e-10), torch.zeros_like(acc))
+
+    def gaussians_changed(self) -> None:
+        """Densification changed the population: the best atomic threshold may have moved."""
+        if self.tuner is not None:
+            self.tuner.invalidate()
+
+    @property
+    def atomic_threshold(self) -> int | None:
+        """The threshold the backward uses now (the tuned one for arc), None on the reference path."""
+        if self.backend != "cuda":
+            return None
+        if self.tuner is not None:
+            return int(self.tuner.threshold)
+        return self.cfg.atomic_threshold

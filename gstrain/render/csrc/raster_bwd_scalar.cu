@@ -1,0 +1,14 @@
+// Backward kernels, scalar layout (one atomicAdd per float); split from the other layout so the two compile in parallel.
+#include "raster_bwd.cuh"
+
+namespace gstrain {
+
+#define GSTRAIN_INSTANTIATE_BWD(CH)                                                                \
+    template cudaError_t launch_raster_bwd<CH, false>(                                             \
+        const RasterArgs &, const float *, const int *, const float *, const float *,              \
+        const GradPtrs &, bool, int, cudaStream_t                                                  \
+    );
+GSTRAIN_FOR_EACH_CHANNELS(GSTRAIN_INSTANTIATE_BWD)
+#undef GSTRAIN_INSTANTIATE_BWD
+
+} // namespace gstrain

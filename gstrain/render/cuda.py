@@ -1,0 +1,375 @@
+"""Our CUDA rasterizer: JIT build, autograd Function, and render_cuda(params, camera).
+
+Projection, spherical harmonics and tile intersection come from gsplat; rasterize forward and
+backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen per call:
+  atomic   every contributing lane adds its own gradients (the original 3DGS kernel)
+  warp     always reduce across the warp, lane 0 adds (gsplat's way)
+  distwar  reduce when at least `atomic_threshold` lanes contribute, else per-lane adds
+  arc      as distwar, with the threshold tuned at run time by an ArcTuner
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gstrain.errors import UserError
+from gstrain.render.arc import ArcTuner
+
+ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
+THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
+TILE_SIZE = 16
+MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu")
+_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh")
+
+# sm_90 float4/float2 atomics on a padded gradient layout (the candidate beyond DISTWAR): 3
+# atomic instructions instead of 9 per flush; measured faster in every mode on an H200
+# (docs/benchmarks.md), so the default unless a call says otherwise.
+VECTOR_ATOMICS_DEFAULT = True
+
+_ext: ModuleType | None = None
+_ext_lock = threading.Lock()
+_default_tuner: ArcTuner | None = None
+
+
+def _arch_list() -> list[str]:
+    """TORCH_CUDA_ARCH_LIST if set, else this GPU's capability plus 9.0 (the H100/H200)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split()
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability()
+    return list(dict.fromkeys([f"{major}.{minor}", "9.0"]))
+
+
+def _gencode_flags(arches: list[str]) -> list[str]:
+    flags = []
+    for arch in arches:
+        ptx = arch.endswith("+PTX")
+        num = arch.removesuffix("+PTX").replace(".", "")
+        if not num.isalnum():
+            raise UserError(f"TORCH_CUDA_ARCH_LIST has an entry gstrain cannot read: {arch!r}")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def _check_toolchain() -> None:
+    if torch.version.cuda is None:
+        raise UserError(
+            "the CUDA backend needs a CUDA build of PyTorch; this one is CPU-only "
+            "(use render.backend=reference, or install PyTorch with CUDA)"
+        )
+    if not torch.cuda.is_available():
+        raise UserError("the CUDA backend needs a CUDA GPU, and PyTorch sees none")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
+    if not (nvcc is not None and nvcc.is_file()) and shutil.which("nvcc") is None:
+        raise UserError(
+            "the CUDA backend compiles its kernels on first use and needs the CUDA toolkit's nvcc; "
+            "none was found (set CUDA_HOME or put nvcc on PATH)"
+        )
+
+
+def ensure_built() -> ModuleType:
+    """Build (first run only) and load the extension; UserError when this machine cannot."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    with _ext_lock:
+        if _ext is not None:
+            return _ext
+        _check_toolchain()
+        from torch.utils.cpp_extension import load
+
+        cuda_flags = ["-O3", "-lineinfo", *_gencode_flags(_arch_list())]
+        cflags = ["-O3"]  # the C++ standard is left to torch (it must match its headers)
+        # the name carries a hash of everything that shapes the binary, so a cached build is
+        # reused exactly when it matches and "compiling" is printed exactly when it does not
+        h = hashlib.sha256()
+        for f in _SOURCES + _HEADERS:
+            h.update((_CSRC / f).read_bytes())
+        h.update(" ".join(cuda_flags + cflags).encode())
+        h.update(f"{torch.__version__} {torch.version.cuda} {sys.version_info[:2]}".encode())
+        name = f"gstrain_raster_{h.hexdigest()[:12]}"
+        root = os.environ.get("TORCH_EXTENSIONS_DIR")
+        base = Path(root) if root else Path.home() / ".cache" / "gstrain" / "extensions"
+        build_dir = base / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            print("gstrain: compiling CUDA kernels (first run only)...", file=sys.stderr, flush=True)
+        _ext = load(
+            name=name,
+            sources=[str(_CSRC / f) for f in _SOURCES],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags,
+            extra_include_paths=[str(_CSRC)],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+        return _ext
+
+
+def default_tuner() -> ArcTuner:
+    """The process-wide tuner used by atomic_mode='arc' calls that bring none."""
+    global _default_tuner
+    if _default_tuner is None:
+        _default_tuner = ArcTuner()
+    return _default_tuner
+
+
+def resolve_threshold(mode: str, atomic_threshold: int) -> int | None:
+    """The fixed threshold a mode uses; None for arc (the tuner decides per call)."""
+    if mode == "atomic":
+        return THRESHOLD_NEVER
+    if mode == "warp":
+        return 1
+    if mode == "distwar":
+        if not 1 <= int(atomic_threshold) <= 32:
+            raise UserError(f"atomic_threshold must be a lane count in 1..32, got {atomic_threshold}")
+        return int(atomic_threshold)
+    if mode == "arc":
+        return None
+    raise UserError(f"unknown atomic mode {mode!r}; choose one of {', '.join(ATOMIC_MODES)}")
+
+
+class _BackwardPlan:
+    """How the backward accumulates: a fixed threshold or a tuner, and the gradient layout."""
+
+    __slots__ = ("threshold", "tuner", "vector")
+
+    def __init__(self, threshold: int | None, tuner: ArcTuner | None, vector: bool) -> None:
+        self.threshold = threshold
+        self.tuner = tuner
+        self.vector = vector
+
+
+class _RasterizeCuda(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        means2d: Tensor,
+        conics: Tensor,
+        colors: Tensor,
+        opacities: Tensor,
+        backgrounds: Tensor | None,
+        width: int,
+        height: int,
+        tile_size: int,
+        isect_offsets: Tensor,
+        flatten_ids: Tensor,
+        absgrad: bool,
+        plan: _BackwardPlan,
+    ) -> tuple[Tensor, Tensor]:
+        ext = ensure_built()
+        image, alpha, t_final, last_ids = ext.rasterize_fwd(
+            means2d,
+            conics,
+            colors,
+            opacities,
+            backgrounds,
+            width,
+            height,
+            tile_size,
+            isect_offsets,
+            flatten_ids,
+        )
+        ctx.save_for_backward(
+            means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, t_final, last_ids
+        )
+        ctx.dims = (width, height, tile_size)
+        ctx.absgrad = absgrad
+        ctx.plan = plan
+        return image, alpha
+
+    @staticmethod
+    def backward(ctx: Any, v_image: Tensor, v_alpha: Tensor) -> tuple[Tensor | None, ...]:
+        (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, t_final, last_ids) = (
+            ctx.saved_tensors
+        )
+        width, height, tile_size = ctx.dims
+        plan: _BackwardPlan = ctx.plan
+        probe = None
+        if plan.tuner is not None:
+            # normalise by the intersection count (host-known, no sync): views differ in cost
+            threshold, probe = plan.tuner.next_call(work=max(flatten_ids.numel(), 1) / 1e6)
+        else:
+            assert plan.threshold is not None
+            threshold = plan.threshold
+        if probe is not None:
+            probe.start()
+        v_means2d, v_conics, v_colors, v_opacities, v_abs = ensure_built().rasterize_bwd(
+            means2d,
+            conics,
+            colors,
+            opacities,
+            backgrounds,
+            width,
+            height,
+            tile_size,
+            isect_offsets,
+            flatten_ids,
+            t_final,
+            last_ids,
+            v_image.contiguous(),
+            v_alpha.contiguous(),
+            ctx.absgrad,
+            threshold,
+            plan.vector,
+        )
+        if probe is not None:
+            probe.stop()
+        if ctx.absgrad:
+            means2d.absgrad = v_abs  # read by gsplat's DefaultStrategy(absgrad=True)
+        v_bg = None
+        if backgrounds is not None and ctx.needs_input_grad[4]:
+            v_bg = (v_image * t_final.unsqueeze(-1)).sum(dim=(1, 2))
+        return (v_means2d, v_conics, v_colors, v_opacities, v_bg) + (None,) * 7
+
+
+def rasterize_cuda(
+    means2d: Tensor,
+    conics: Tensor,
+    colors: Tensor,
+    opacities: Tensor,
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,
+    flatten_ids: Tensor,
+    backgrounds: Tensor | None = None,
+    absgrad: bool = False,
+    atomic_mode: str = "arc",
+    atomic_threshold: int = 8,
+    tuner: ArcTuner | None = None,
+    vector_atomics: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Composite projected Gaussians: means2d [C,N,2], conics [C,N,3], colors [C,N,ch],
+    opacities [C,N], isect_offsets [C,th,tw], flatten_ids [M] (gsplat's non-packed outputs),
+    backgrounds [C,ch] -> image [C,H,W,ch], alpha [C,H,W,1].
+
+    With absgrad, means2d.absgrad holds sum over pixels of |dL/dmeans2d| after backward.
+    """
+    if means2d.dim() != 3 or means2d.shape[-1] != 2:
+        raise ValueError(f"means2d must be [C, N, 2], got {tuple(means2d.shape)}")
+    if absgrad and colors.shape[-1] > MAX_ABSGRAD_CHANNELS:
+        # channels beyond one kernel are done in chunks; |dL/dmean2d| per pixel is not additive
+        raise ValueError(f"absgrad supports at most {MAX_ABSGRAD_CHANNELS} channels, got {colors.shape[-1]}")
+    if absgrad and not means2d.is_contiguous():
+        # a contiguous copy would receive .absgrad instead of the caller's tensor
+        raise ValueError("absgrad=True needs a contiguous means2d")
+    threshold = resolve_threshold(atomic_mode, atomic_threshold)
+    if threshold is None and tuner is None:
+        tuner = default_tuner()
+    plan = _BackwardPlan(
+        threshold,
+        tuner if threshold is None else None,
+        VECTOR_ATOMICS_DEFAULT if vector_atomics is None else bool(vector_atomics),
+    )
+    bg = backgrounds.float().contiguous() if backgrounds is not None else None
+    return _RasterizeCuda.apply(
+        means2d.contiguous(),
+        conics.contiguous(),
+        colors.contiguous(),
+        opacities.contiguous(),
+        bg,
+        int(width),
+        int(height),
+        int(tile_size),
+        isect_offsets.contiguous(),
+        flatten_ids.contiguous(),
+        bool(absgrad),
+        plan,
+    )
+
+
+def render_cuda(
+    params: torch.nn.ParameterDict | dict[str, Tensor],
+    viewmat: Tensor,
+    K: Tensor,
+    width: int,
+    height: int,
+    sh_degree: int,
+    background: Tensor | None = None,
+    absgrad: bool = False,
+    atomic_mode: str = "arc",
+    atomic_threshold: int = 8,
+    tuner: ArcTuner | None = None,
+    vector_atomics: bool | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Render one view: image [H,W,3], alpha [H,W,1], info (what gsplat's strategies read)."""
+    from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles, spherical_harmonics
+
+    means = params["means"]
+    viewmats = viewmat[None].float()
+    Ks = K[None].float()
+    radii, means2d, depths, conics, _ = fully_fused_projection(
+        means,
+        None,
+        params["quats"],
+        torch.exp(params["scales"]),
+        viewmats,
+        Ks,
+        width,
+        height,
+        eps2d=0.3,
+        near_plane=0.01,
+        packed=False,
+    )
+    # colour = max(SH(dirs) + 0.5, 0), dirs = mean - camera centre
+    campos = torch.linalg.inv(viewmats)[:, :3, 3]  # [1, 3]
+    dirs = means[None] - campos[:, None, :]
+    coeffs = torch.cat([params["sh0"], params["shN"]], dim=1)[None].expand(1, -1, -1, -1)
+    visible = (radii > 0).all(dim=-1)  # skips SH work for Gaussians off screen
+    colors = spherical_harmonics(sh_degree, dirs, coeffs, masks=visible)
+    colors = torch.clamp_min(colors + 0.5, 0.0)
+    opacities = torch.sigmoid(params["opacities"])[None]
+
+    tile_width = (width + TILE_SIZE - 1) // TILE_SIZE
+    tile_height = (height + TILE_SIZE - 1) // TILE_SIZE
+    _, isect_ids, flatten_ids = isect_tiles(
+        means2d, radii, depths, TILE_SIZE, tile_width, tile_height, packed=False, n_images=1
+    )
+    isect_offsets = isect_offset_encode(isect_ids, 1, tile_width, tile_height)
+    image, alpha = rasterize_cuda(
+        means2d,
+        conics,
+        colors,
+        opacities,
+        width,
+        height,
+        TILE_SIZE,
+        isect_offsets,
+        flatten_ids,
+        backgrounds=None if background is None else background.reshape(1, -1),
+        absgrad=absgrad,
+        atomic_mode=atomic_mode,
+        atomic_threshold=atomic_threshold,
+        tuner=tuner,
+        vector_atomics=vector_atomics,
+    )
+    info: dict[str, Any] = {  # the reference renderer's keys
+        "means2d": means2d,  # [1, N, 2]: retain_grad() here collects the screen-space gradient
+        "radii": radii,  # [1, N, 2] int32
+        "depths": depths,  # [1, N]
+        "conics": conics,  # [1, N, 3]
+        "width": width,
+        "height": height,
+        "n_cameras": 1,
+        "gaussian_ids": None,  # non-packed
+        "tile_size": TILE_SIZE,
+    }
+    return image[0], alpha[0], info

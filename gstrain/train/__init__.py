@@ -1,0 +1,1 @@
+"""Training: the loop (trainer.py) and the pieces it drives (losses, optim, strategy, timing, checkpoint)."""

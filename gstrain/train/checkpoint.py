@@ -1,0 +1,76 @@
+"""Full training state on disk: written atomically, found again for --resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gstrain.errors import UserError
+
+_CKPT_RE = re.compile(r"^step_(\d+)\.pt$")
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "ckpt" / f"step_{step}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    folder = run_dir / "ckpt"
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Save state as ckpt/step_<step>.pt and prune older ones beyond `keep` (0 keeps all)."""
+    path = checkpoint_path(run_dir, step)
+    atomic_torch_save(state, path)
+    if keep > 0:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+    """The newest readable checkpoint, or None if the run has none. A corrupt newest file falls
+    back to the one before it (it can only be corrupt if written by something other than us)."""
+    for _step, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=False)
+        except Exception:  # noqa: BLE001 - any unreadable file: try the previous checkpoint
+            continue
+    return None
+
+
+def require_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    state = load_latest_checkpoint(run_dir, map_location)
+    if state is None:
+        raise UserError(f"no checkpoint found under {run_dir / 'ckpt'}")
+    return state

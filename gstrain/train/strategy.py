@@ -1,0 +1,78 @@
+"""Densification through gsplat's own strategies (DefaultStrategy, MCMCStrategy), not re-implemented."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gsplat.strategy import DefaultStrategy, MCMCStrategy
+
+from gstrain.config import StrategyConfig
+from gstrain.errors import UserError
+
+
+class Densifier:
+    """Owns the gsplat strategy and its state; tells the trainer when the Gaussian set changed."""
+
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
+        self.cfg = cfg
+        if cfg.name == "mcmc":
+            if device.type != "cuda":
+                raise UserError("strategy.name=mcmc needs a CUDA GPU (gsplat's relocation kernel); use default")
+            self.strategy: DefaultStrategy | MCMCStrategy = MCMCStrategy(
+                cap_max=cfg.cap_max,
+                refine_start_iter=cfg.refine_start,
+                refine_stop_iter=cfg.refine_stop,
+                refine_every=cfg.refine_every,
+            )
+            self.state: dict[str, Any] = self.strategy.initialize_state()
+        else:
+            self.strategy = DefaultStrategy(
+                prune_opa=cfg.prune_opa,
+                grow_grad2d=cfg.grow_grad2d,
+                grow_scale3d=cfg.grow_scale3d,
+                prune_scale3d=cfg.prune_scale3d,
+                refine_start_iter=cfg.refine_start,
+                refine_stop_iter=cfg.refine_stop,
+                refine_every=cfg.refine_every,
+                reset_every=cfg.reset_every,
+                absgrad=cfg.absgrad,
+            )
+            self.state = self.strategy.initialize_state(scene_scale=scene_extent)
+
+    @property
+    def is_mcmc(self) -> bool:
+        return isinstance(self.strategy, MCMCStrategy)
+
+    def check(self, params: torch.nn.ParameterDict, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+        self.strategy.check_sanity(params, optimizers)
+
+    def pre_backward(self, params, optimizers, step: int, info: dict[str, Any]) -> None:
+        self.strategy.step_pre_backward(params, optimizers, self.state, step, info)
+
+    def post_backward(
+        self, params, optimizers, step: int, info: dict[str, Any], means_lr: float
+    ) -> bool:
+        """Run the strategy; True when this step may have changed the Gaussian set (no host sync)."""
+        if self.is_mcmc:
+            self.strategy.step_post_backward(params, optimizers, self.state, step, info, lr=means_lr)
+        else:
+            self.strategy.step_post_backward(params, optimizers, self.state, step, info, packed=False)
+        return self.refines_at(step)
+
+    def refines_at(self, step: int) -> bool:
+        """gsplat refines after step `step` when step > start, step % every == 0, step < stop."""
+        c = self.cfg
+        return c.refine_start < step < c.refine_stop and step % c.refine_every == 0
+
+    def mcmc_regularisers(self, params: torch.nn.ParameterDict) -> torch.Tensor | None:
+        """MCMC's opacity and scale L1 regularisers (gsplat's recommended 0.01 each)."""
+        if not self.is_mcmc:
+            return None
+        return 0.01 * torch.sigmoid(params["opacities"]).mean() + 0.01 * torch.exp(params["scales"]).mean()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in self.state.items()}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.state = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in state.items()}

@@ -1,0 +1,402 @@
+"""The training loop: data -> render -> loss -> backward -> Adam -> densification, with logging,
+checkpoints, Ctrl-C and NaN safety. The trainer owns the loop; the modules it calls do not call back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gstrain.config import Config
+from gstrain.data.scene import Scene, View
+from gstrain.errors import UserError
+from gstrain.evaluate import Metrics
+from gstrain.model import init_gaussians, random_points, save_ply
+from gstrain.render import Renderer
+from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from gstrain.train.losses import photometric_loss, psnr
+from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
+from gstrain.train.strategy import Densifier
+from gstrain.train.timing import PhaseTimer
+
+
+@dataclass
+class FitResult:
+    status: str  # "done" | "interrupted" | "nan"
+    step: int  # steps completed
+    seconds: float
+    num_gaussians: int
+    initial_test_psnr: float | None
+    final_test_psnr: float | None
+    checkpoint: Path | None
+
+
+class ViewSampler:
+    """Shuffled passes over the training views, reproducible and resumable."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.pos = 0
+
+    def next(self) -> int:
+        if self.pos >= len(self.order):
+            self.order = torch.randperm(self.n, generator=self.gen).tolist()
+            self.pos = 0
+        idx = self.order[self.pos]
+        self.pos += 1
+        return idx
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gen": self.gen.get_state(), "order": list(self.order), "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen.set_state(state["gen"])
+        self.order = list(state["order"])
+        self.pos = int(state["pos"])
+
+
+class _StopFlag:
+    """First Ctrl-C asks the loop to stop after the current step and save; a second one aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopFlag:
+        def handler(signum: int, frame: Any) -> None:
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread (e.g. called from a test runner thread)
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _memory_text(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f}G"
+    try:
+        import resource
+
+        return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}G"
+    except Exception:  # noqa: BLE001 - memory display is best effort
+        return "?"
+
+
+class Trainer:
+    def __init__(self, cfg: Config, scene: Scene, run_dir: Path, device: torch.device, log=print) -> None:
+        if not scene.train:
+            raise UserError("the scene has no training views (all images went to the test split)")
+        self.cfg = cfg
+        self.scene = scene
+        self.run_dir = run_dir
+        self.device = device
+        self.log = log
+        self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
+        self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad)
+        # Images live on the device as uint8 (a quarter of float32) and are converted per step.
+        self.train_images = [v.image.to(device) for v in scene.train]
+        self.train_cams = [(v.viewmat.to(device), v.K.to(device)) for v in scene.train]
+        self.params = self._initial_params()
+        self.optimizers = build_optimizers(self.params, cfg.optim, scene.extent)
+        self.scheduler = build_means_scheduler(self.optimizers["means"], cfg.optim, cfg.train.steps)
+        self.densifier = Densifier(cfg.strategy, scene.extent, device)
+        self.densifier.check(self.params, self.optimizers)
+        self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
+        self.step = 0
+        self.timer = PhaseTimer(device)
+        self.writer = None
+
+    # ----------------------------------------------------------------- setup
+    def _initial_params(self) -> torch.nn.ParameterDict:
+        cfg, scene = self.cfg.model, self.scene
+        points, colors = scene.points, scene.point_colors
+        if cfg.init == "random" or len(points) == 0:
+            if cfg.init != "random":
+                raise UserError(
+                    "the sparse model has no 3D points; pass --set model.init=random to start from random points"
+                )
+            centers = np.stack([v.camera_center.numpy() for v in scene.train])
+            points, colors = random_points(
+                cfg.init_points, centers.mean(axis=0), scene.extent, seed=self.cfg.train.seed
+            )
+            self.log(f"gstrain: initialising {cfg.init_points} random Gaussians (no SfM points used)")
+        return init_gaussians(
+            points, colors, sh_degree=cfg.sh_degree, init_opacity=cfg.init_opacity,
+            init_scale=cfg.init_scale, device=self.device,
+        )
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "params": {k: v.detach().clone() for k, v in self.params.items()},
+            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+            "scheduler": self.scheduler.state_dict(),
+            "strategy": self.densifier.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": _rng_state(),
+            "config": self.cfg.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.params = torch.nn.ParameterDict(
+            {k: torch.nn.Parameter(v.to(self.device)) for k, v in state["params"].items()}
+        )
+        self.optimizers = build_optimizers(self.params, self.cfg.optim, self.scene.extent)
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state["optimizers"][name])
+        self.scheduler = build_means_scheduler(self.optimizers["means"], self.cfg.optim, self.cfg.train.steps)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.densifier.load_state_dict(state["strategy"], self.device)
+        self.sampler.load_state_dict(state["sampler"])
+        _set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    def resume(self) -> bool:
+        state = load_latest_checkpoint(self.run_dir, map_location="cpu")
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        return True
+
+    def _params_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params.values())
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=self.cfg.log.keep_ckpts)
+
+    def export_ply(self) -> Path:
+        path = self.run_dir / "point_cloud" / f"iteration_{self.step}" / "point_cloud.ply"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_ply(self.params, path)
+        return path
+
+    # ----------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def render_view(self, view: View, sh_degree: int | None = None) -> torch.Tensor:
+        degree = self.active_sh_degree() if sh_degree is None else sh_degree
+        image, _, _ = self.renderer(
+            self.params, view.viewmat.to(self.device), view.K.to(self.device),
+            view.width, view.height, degree, self.background,
+        )
+        return image.clamp(0, 1)
+
+    @torch.no_grad()
+    def evaluate_test(self) -> dict[str, float] | None:
+        """Mean PSNR / SSIM over the held-out views (LPIPS is left to `gstrain eval`)."""
+        if not self.scene.test:
+            return None
+        metrics = Metrics(self.device, lpips=False)
+        for view in self.scene.test:
+            metrics.add(self.render_view(view), view.image.to(self.device).float() / 255.0)
+        summary = metrics.summary()
+        return {"psnr": summary["psnr"], "ssim": summary["ssim"]}
+
+    def active_sh_degree(self) -> int:
+        return min(self.step // self.cfg.train.sh_degree_interval, self.cfg.model.sh_degree)
+
+    # ----------------------------------------------------------------- loop
+    def _tb(self):
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tb"))
+        return self.writer
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """One optimisation step. Returns (loss, loss terms, train psnr) as device tensors: no sync."""
+        cfg, timer = self.cfg, self.timer
+        with timer.phase("data"):
+            idx = self.sampler.next()
+            viewmat, K = self.train_cams[idx]
+            gt = self.train_images[idx].float() / 255.0
+            height, width = gt.shape[:2]
+        with timer.phase("forward"):
+            image, _, info = self.renderer(
+                self.params, viewmat, K, width, height, self.active_sh_degree(), self.background
+            )
+        self.densifier.pre_backward(self.params, self.optimizers, step, info)
+        with timer.phase("loss"):
+            loss, terms = photometric_loss(image, gt, cfg.train.ssim_lambda)
+            reg = self.densifier.mcmc_regularisers(self.params)
+            if reg is not None:
+                loss = loss + reg
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            for opt in self.optimizers.values():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        with timer.phase("densify"):
+            changed = self.densifier.post_backward(
+                self.params, self.optimizers, step, info, self.scheduler.get_last_lr()[0]
+            )
+        if changed:
+            self.renderer.gaussians_changed()
+        timer.step_done()
+        return loss.detach(), {k: v.detach() for k, v in terms.items()}, psnr(image.detach(), gt)
+
+    def fit(self, resume: bool = False) -> FitResult:
+        cfg = self.cfg
+        if resume and not self.resume():
+            raise UserError(f"--resume: no checkpoint found under {self.run_dir / 'ckpt'}")
+        if not resume:
+            seed_everything(cfg.train.seed)
+        total = cfg.train.steps
+        start_step = self.step
+        initial = self.evaluate_test() if start_step == 0 else None
+        if initial is not None:
+            self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
+        eval_steps = set(cfg.log.eval_steps) | {total}
+        save_steps = set(cfg.log.save_steps) | {total}
+        last_psnr = float("nan")
+        status = "done"
+        ckpt: Path | None = None
+        t_start = time.perf_counter()
+        bar = tqdm(total=total, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
+        with _StopFlag() as stop:
+            while self.step < total:
+                loss, terms, train_psnr = self.train_step(self.step)
+                self.step += 1
+                step = self.step
+                if step % cfg.log.progress_every == 0 or step == total:
+                    loss_value = float(loss)  # the one host sync per progress_every steps
+                    if not math.isfinite(loss_value):
+                        status = "nan"
+                        break
+                    last_psnr = float(train_psnr)
+                    bar.set_postfix(
+                        loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}",
+                        gaussians=len(self.params["means"]), mem=_memory_text(self.device),
+                    )
+                    bar.update(step - bar.n)
+                if step % cfg.log.tb_every == 0:
+                    self._log_scalars(step, loss, terms, train_psnr)
+                if step in eval_steps:
+                    metrics = self.evaluate_test()
+                    if metrics is not None:
+                        self._tb().add_scalar("test/psnr", metrics["psnr"], step)
+                        self._tb().add_scalar("test/ssim", metrics["ssim"], step)
+                        self._log_test_renders(step)
+                        bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
+                if step in save_steps:
+                    self.export_ply()
+                if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == total:
+                    if not (math.isfinite(float(loss)) and self._params_finite()):
+                        status = "nan"
+                        break
+                    ckpt = self.save()
+                if stop.requested:
+                    status = "interrupted"
+                    break
+        bar.close()
+        seconds = time.perf_counter() - t_start
+
+        if status == "interrupted":
+            if self._params_finite():
+                ckpt = self.save()
+                self.log(f"gstrain: interrupted at step {self.step}; checkpoint saved to {ckpt}")
+            else:
+                status = "nan"
+        if status == "nan":
+            good = list_checkpoints(self.run_dir)
+            where = f"last good checkpoint: {good[-1][1]}" if good else "no checkpoint had been written yet"
+            self.log(f"gstrain: loss became NaN by step {self.step}; stopped. {where}")
+            ckpt = good[-1][1] if good else None
+        final = self.evaluate_test() if status == "done" else None
+        result = FitResult(
+            status=status, step=self.step, seconds=seconds, num_gaussians=len(self.params["means"]),
+            initial_test_psnr=initial["psnr"] if initial else None,
+            final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
+        )
+        self._write_summary(result, final)
+        if self.writer is not None:
+            self.writer.close()
+        return result
+
+    # ----------------------------------------------------------------- logging
+    def _log_scalars(self, step: int, loss: torch.Tensor, terms: dict[str, torch.Tensor], train_psnr) -> None:
+        tb = self._tb()
+        tb.add_scalar("train/loss", float(loss), step)
+        for name, value in terms.items():
+            tb.add_scalar(f"train/{name}", float(value), step)
+        tb.add_scalar("train/psnr", float(train_psnr), step)
+        tb.add_scalar("train/num_gaussians", len(self.params["means"]), step)
+        for name, lr in current_lrs(self.optimizers).items():
+            tb.add_scalar(f"lr/{name}", lr, step)
+        for phase, ms in self.timer.summary().items():
+            tb.add_scalar(f"time_ms/{phase}", ms, step)
+        threshold = self.renderer.atomic_threshold
+        if threshold is not None:
+            tb.add_scalar("render/atomic_threshold", threshold, step)
+        if self.device.type == "cuda":
+            tb.add_scalar("memory/peak_gib", torch.cuda.max_memory_allocated(self.device) / 2**30, step)
+
+    def _log_test_renders(self, step: int) -> None:
+        for i, view in enumerate(self.scene.test[:2]):
+            image = self.render_view(view)
+            self._tb().add_image(f"test/{view.name}", image.permute(2, 0, 1).cpu(), step)
+            if i >= 1:
+                break
+
+    def _write_summary(self, result: FitResult, final: dict[str, float] | None) -> None:
+        summary = {
+            "status": result.status,
+            "steps": result.step,
+            "seconds": round(result.seconds, 2),
+            "num_gaussians": result.num_gaussians,
+            "initial_test_psnr": result.initial_test_psnr,
+            "final_test_psnr": result.final_test_psnr,
+            "final_test_ssim": final["ssim"] if final else None,
+            "backend": self.renderer.backend,
+            "atomic_mode": self.cfg.render.atomic_mode if self.renderer.backend == "cuda" else None,
+            "atomic_threshold": self.renderer.atomic_threshold,
+            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        }
+        (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,66 @@
+"""A tiny forward + backward of every atomic mode, for compute-sanitizer (memcheck, racecheck).
+
+Run by scripts/gpu_tests.sh as
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py
+(no caching allocator, so an access past a tensor's end leaves its own allocation and is seen).
+Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
+channel counts that take the direct (3), padded (5) and chunked (40) paths.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+
+def main() -> int:
+    from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
+
+    from gstrain.render.arc import ArcTuner
+    from gstrain.render.cuda import rasterize_cuda
+
+    gen = torch.Generator().manual_seed(0)
+    n, width, height, n_cams = 96, 37, 29, 2
+    z = 2.0 + 3.0 * torch.rand(n, generator=gen)
+    means = torch.cat([(torch.rand(n, 2, generator=gen) - 0.5) * z[:, None], z[:, None]], 1).cuda()
+    quats = torch.randn(n, 4, generator=gen).cuda()
+    scales = torch.exp(-3.0 + torch.rand(n, 3, generator=gen)).cuda()
+    viewmats = torch.eye(4).repeat(n_cams, 1, 1)
+    viewmats[1, 0, 3] = 0.2
+    f = 0.9 * width
+    K = torch.tensor([[f, 0.0, width / 2], [0.0, f, height / 2], [0.0, 0.0, 1.0]])
+    radii, means2d, depths, conics, _ = fully_fused_projection(
+        means, None, quats, scales, viewmats.cuda(), K.repeat(n_cams, 1, 1).cuda(), width, height
+    )
+    tw, th = math.ceil(width / 16), math.ceil(height / 16)
+    _, isect_ids, flatten_ids = isect_tiles(means2d, radii, depths, 16, tw, th, n_images=n_cams)
+    offsets = isect_offset_encode(isect_ids, n_cams, tw, th)
+    opac = (0.05 + 0.9 * torch.rand(n_cams, n, generator=gen)).cuda()
+
+    runs = [(mode, vector, 3) for mode in ("atomic", "warp", "distwar", "arc") for vector in (False, True)]
+    runs += [("distwar", True, 5), ("distwar", False, 40)]
+    for mode, vector, ch in runs:
+        m2 = means2d.detach().clone().requires_grad_(True)
+        con = conics.detach().clone().requires_grad_(True)
+        col = torch.rand(n_cams, n, ch, generator=gen).cuda().requires_grad_(True)
+        op = opac.clone().requires_grad_(True)
+        bg = torch.rand(n_cams, ch, generator=gen).cuda().requires_grad_(True)
+        image, alpha = rasterize_cuda(
+            m2, con, col, op, width, height, 16, offsets, flatten_ids, backgrounds=bg, absgrad=ch <= 32,
+            atomic_mode=mode, atomic_threshold=4, tuner=ArcTuner(candidates=(2, 8), reps=1),
+            vector_atomics=vector,
+        )  # fmt: skip
+        (image.sum() + alpha.square().sum()).backward()
+        torch.cuda.synchronize()
+        grads = [m2.grad, con.grad, col.grad, op.grad, bg.grad] + ([m2.absgrad] if ch <= 32 else [])
+        if not all(torch.isfinite(g).all() for g in grads):
+            print(f"sanitize case: non-finite gradient in mode={mode} vector={vector} ch={ch}")
+            return 1
+    print(f"sanitize case: {len(runs)} forward+backward runs done, {flatten_ids.numel()} intersections")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

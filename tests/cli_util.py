@@ -1,0 +1,27 @@
+"""Run the real `gstrain` command in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "gstrain", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env,
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2, one line on stderr, no traceback, and the line says what is wrong."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("gstrain: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle.lower() in errors[0].lower(), (needle, errors[0])

@@ -1,0 +1,38 @@
+"""Shared test setup: the `cuda` marker skips cleanly where no GPU is present."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_tests.sh on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session")
+def demo_scene(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small generated COLMAP scene on disk, shared by the tests that only read it."""
+    from gstrain.data.demo import write_demo_scene
+
+    out = tmp_path_factory.mktemp("demo") / "scene"
+    write_demo_scene(out, n_views=16, width=64, height=64, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def beer_scene() -> Path:
+    path = SHARED_DATA / "beer"
+    if not path.is_dir():
+        pytest.skip("../shared/data/beer is not present on this machine")
+    return path

@@ -1,0 +1,176 @@
+"""End-to-end CLI tests on the generated demo scene: bad input, fit, eval, export, resume, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pycolmap
+import pytest
+import torch
+from cli_util import assert_user_error, run_cli
+
+FAST = ["--set", "log.progress_every=10", "--set", "model.sh_degree=1"]
+
+
+def test_help_for_every_command():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for command in ("fit", "eval", "export", "demo-scene"):
+        assert command in top.stdout
+        proc = run_cli(command, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "Usage" in proc.stdout
+
+
+@pytest.fixture
+def scene_copy(demo_scene: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "scene"
+    shutil.copytree(demo_scene, dst)
+    return dst
+
+
+def test_missing_scene(tmp_path):
+    assert_user_error(run_cli("fit", tmp_path / "nope"), "not found")
+
+
+def test_no_sparse_model(scene_copy):
+    shutil.rmtree(scene_copy / "sparse")
+    assert_user_error(run_cli("fit", scene_copy), "sparse")
+
+
+def test_image_listed_but_missing(scene_copy):
+    victim = sorted((scene_copy / "images").iterdir())[3]
+    victim.unlink()
+    assert_user_error(run_cli("fit", scene_copy), victim.name)
+
+
+def test_corrupt_image(scene_copy):
+    victim = sorted((scene_copy / "images").iterdir())[2]
+    victim.write_bytes(b"\x89PNG garbage")
+    assert_user_error(run_cli("fit", scene_copy), victim.name)
+
+
+def test_empty_point_cloud(scene_copy, tmp_path):
+    model_dir = scene_copy / "sparse" / "0"
+    rec = pycolmap.Reconstruction(str(model_dir))
+    for point_id in list(rec.point3D_ids()):
+        rec.delete_point3D(point_id)
+    rec.write(str(model_dir))
+    assert_user_error(run_cli("fit", scene_copy, "--out", tmp_path / "run"), "no 3D points", "model.init=random")
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--set", "train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["--steps", "abc"], "steps"),
+        (["--device", "tpu"], "train.device"),
+        (["--atomic-mode", "fastest"], "atomic_mode"),
+        (["--factor", "0"], "factor"),
+        (["--bogus-flag"], "bogus"),
+    ],
+)
+def test_bad_flags(demo_scene, tmp_path, flags, needle):
+    assert_user_error(run_cli("fit", demo_scene, "--out", tmp_path / "r", *flags), needle)
+
+
+def test_unknown_key_in_config_file(demo_scene, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("strategy:\n  grow_everything: true\n")
+    assert_user_error(run_cli("fit", demo_scene, "--config", cfg), "strategy.grow_everything")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_requested_without_gpu(demo_scene, tmp_path):
+    assert_user_error(run_cli("fit", demo_scene, "--device", "cuda", "--out", tmp_path / "r"), "no CUDA GPU")
+
+
+def test_eval_and_export_on_non_run(tmp_path):
+    assert_user_error(run_cli("eval", tmp_path), "not a gstrain run")
+    assert_user_error(run_cli("export", tmp_path / "missing"), "not found")
+
+
+def test_fit_eval_export_on_demo(demo_scene, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "300", "--seed", "1", *FAST,
+                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
+                   "--set", "log.ckpt_every=100")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["status"] == "done" and summary["steps"] == 300
+    # Training must clearly beat the initial point-cloud render on held-out views.
+    assert summary["final_test_psnr"] > summary["initial_test_psnr"] + 4.0, summary
+    assert (run / "config.yaml").is_file() and (run / "ckpt" / "step_300.pt").is_file()
+    assert (run / "point_cloud" / "iteration_300" / "point_cloud.ply").is_file()
+    assert any((run / "tb").iterdir())
+
+    proc = run_cli("eval", run)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["num_views"] == 2
+    assert abs(metrics["psnr"] - summary["final_test_psnr"]) < 1e-3
+    assert 0 < metrics["ssim"] <= 1
+    assert metrics["lpips"] is None or metrics["lpips"] >= 0
+    if metrics["lpips"] is None:
+        assert metrics["lpips_note"]
+    assert len(list((run / "renders" / "test").glob("*.png"))) == 2
+
+    out = tmp_path / "export.ply"
+    proc = run_cli("export", run, "--format", "ply", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    from gstrain.model import load_ply
+
+    params = load_ply(out)
+    state = torch.load(run / "ckpt" / "step_300.pt", weights_only=False)
+    for key, value in state["params"].items():
+        assert torch.equal(params[key].detach(), value), key
+
+    again = run_cli("fit", demo_scene, "--out", run, "--steps", "10")
+    assert_user_error(again, "already holds a run")
+
+
+def test_resume_matches_uninterrupted_run(demo_scene, tmp_path):
+    common = ["--seed", "3", *FAST, "--set", "strategy.refine_start=20", "--set", "strategy.refine_every=20",
+              "--set", "log.ckpt_every=40"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_cli("fit", demo_scene, "--out", full, "--steps", "80", *common).returncode == 0
+    assert run_cli("fit", demo_scene, "--out", part, "--steps", "40", *common).returncode == 0
+    proc = run_cli("fit", demo_scene, "--out", part, "--steps", "80", "--resume", *common)
+    assert proc.returncode == 0, proc.stderr
+    a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
+    b = torch.load(part / "ckpt" / "step_80.pt", weights_only=False)
+    assert a["step"] == b["step"] == 80
+    for key in a["params"]:
+        assert torch.allclose(a["params"][key], b["params"][key], atol=1e-6), key
+
+
+def test_ctrl_c_saves_and_resume_finishes(demo_scene, tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gstrain", "fit", str(demo_scene), "--out", str(run), "--steps", "100000",
+         "--set", "log.ckpt_every=0", *FAST],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "run.json").exists():
+        time.sleep(0.2)
+    time.sleep(4.0)  # let it train a little
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "checkpoint saved" in err
+    from gstrain.train.checkpoint import list_checkpoints
+
+    (step, _path), = list_checkpoints(run)
+    assert step > 0
+    resumed = run_cli("fit", demo_scene, "--out", run, "--resume", "--steps", str(step + 20))
+    assert resumed.returncode == 0, resumed.stderr
+    assert list_checkpoints(run)[-1][0] == step + 20

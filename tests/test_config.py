@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from gstrain.config import Config, build_config, config_from_dict, parse_override
+from gstrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_match_default_yaml():
+    # configs/default.yaml documents the defaults; it must not drift from the dataclasses.
+    assert build_config([REPO / "configs/default.yaml"]).to_dict() == Config().to_dict()
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "demo.yaml", "mcmc.yaml"])
+def test_shipped_configs_load(name):
+    build_config([REPO / "configs" / name])
+
+
+def test_yaml_then_overrides_in_order(tmp_path):
+    f = tmp_path / "a.yaml"
+    f.write_text("train:\n  steps: 100\nstrategy:\n  refine_every: 50\n")
+    cfg = build_config([f], [{"train": {"steps": 7}}, parse_override("render.atomic_mode=warp")])
+    assert cfg.train.steps == 7
+    assert cfg.strategy.refine_every == 50
+    assert cfg.render.atomic_mode == "warp"
+
+
+def test_unknown_key_and_section_are_errors(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  stepz: 100\n")
+    with pytest.raises(UserError, match="unknown config key 'train.stepz'"):
+        build_config([f])
+    with pytest.raises(UserError, match="unknown config section 'trian'"):
+        build_config(overrides=[{"trian": {"steps": 1}}])
+
+
+def test_bad_values_are_errors():
+    with pytest.raises(UserError, match="expects an integer"):
+        build_config(overrides=[{"train": {"steps": "many"}}])
+    with pytest.raises(UserError, match="atomic_mode must be one of"):
+        build_config(overrides=[{"render": {"atomic_mode": "fast"}}])
+    with pytest.raises(UserError, match="train.device"):
+        build_config(overrides=[{"train": {"device": "tpu"}}])
+    with pytest.raises(UserError, match="section.key=value"):
+        parse_override("steps=3")
+    with pytest.raises(UserError, match="not found"):
+        build_config(["/nonexistent/x.yaml"])
+
+
+def test_types_are_coerced_from_strings():
+    cfg = build_config(overrides=[parse_override("train.steps=12"), parse_override("strategy.absgrad=true"),
+                                  parse_override("optim.means_lr=1e-4")])
+    assert cfg.train.steps == 12 and cfg.strategy.absgrad is True and cfg.optim.means_lr == 1e-4
+
+
+def test_round_trip_through_dict():
+    cfg = build_config(overrides=[{"log": {"eval_steps": [5, 10]}}])
+    assert config_from_dict(cfg.to_dict()) == cfg

@@ -1,0 +1,101 @@
+"""The demo scene: a valid COLMAP scene on disk that loads through the same path as user scenes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pycolmap
+import pytest
+
+from gstrain.data.colmap import load_scene
+from gstrain.data.demo import write_demo_scene
+from gstrain.data.scene import Scene
+from gstrain.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_scene(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def demo(demo_dir: Path) -> Scene:
+    return load_scene(demo_dir)
+
+
+def test_layout_and_split(demo_dir: Path, demo: Scene) -> None:
+    assert len(list((demo_dir / "images").glob("*.png"))) == 32
+    for name in ("cameras", "images", "points3D"):
+        assert (demo_dir / "sparse" / "0" / f"{name}.bin").is_file()
+    assert len(demo.test) == 4 and len(demo.train) == 28
+    assert [v.name for v in demo.test] == ["000.png", "008.png", "016.png", "024.png"]
+    assert demo.notes == []
+    assert len(demo.points) > 1000 and demo.points.dtype == np.float32
+    assert demo.point_colors.shape == demo.points.shape and demo.point_colors.dtype == np.uint8
+    for view in demo.train + demo.test:
+        assert view.image.shape == (128, 128, 3)
+    # Not a blank render: the object fills a good part of every view, with many colours.
+    img = demo.test[0].image.numpy()
+    assert 0.3 < (img.sum(axis=2) > 0).mean() < 0.95
+    assert len(np.unique(img.reshape(-1, 3) // 32, axis=0)) > 20
+    assert 3.0 < demo.extent < 10.0
+
+
+def test_model_is_a_valid_reconstruction(demo_dir: Path) -> None:
+    rec = pycolmap.Reconstruction(str(demo_dir / "sparse" / "0"))
+    assert rec.is_valid() and rec.num_reg_images() == 32
+    assert rec.cameras[1].model_name == "PINHOLE"
+    rec.update_point_3d_errors()
+    assert rec.compute_mean_reprojection_error() < 1e-6
+    assert rec.compute_mean_track_length() >= 2
+
+
+def test_points_reproject_onto_their_observations(demo_dir: Path, demo: Scene) -> None:
+    """x_pix = K (R X + t) / z lands on the recorded points2D (pixel centres at +0.5 in both)."""
+    rec = pycolmap.Reconstruction(str(demo_dir / "sparse" / "0"))
+    views = {v.name: v for v in demo.train + demo.test}
+    n_checked = 0
+    for image in rec.images.values():
+        view = views[image.name]
+        obs = [p for p in image.points2D if p.has_point3D()]
+        xyz = np.array([rec.points3D[p.point3D_id].xyz for p in obs])
+        cam = xyz @ view.viewmat[:3, :3].double().numpy().T + view.viewmat[:3, 3].double().numpy()
+        uv = cam @ view.K.double().numpy().T
+        uv = uv[:, :2] / uv[:, 2:3]
+        np.testing.assert_allclose(uv, np.array([p.xy for p in obs]), atol=1e-3)
+        n_checked += len(obs)
+    assert n_checked > 10_000
+
+
+def test_point_colours_match_the_images(demo: Scene, demo_dir: Path) -> None:
+    """Each observation's pixel shows (about) the point's colour: points, poses and images agree."""
+    rec = pycolmap.Reconstruction(str(demo_dir / "sparse" / "0"))
+    views = {v.name: v for v in demo.train + demo.test}
+    diffs = []
+    for image in rec.images.values():
+        img = views[image.name].image.numpy().astype(np.float64)
+        for p in image.points2D:
+            x, y = (int(c) for c in p.xy)
+            diffs.append(np.abs(img[y, x] - rec.points3D[p.point3D_id].color).max())
+    # Texture edges and antialiasing make a few pixels differ; most must be close.
+    assert np.median(diffs) < 12
+
+
+def test_deterministic_for_a_seed(tmp_path: Path, demo_dir: Path) -> None:
+    again = write_demo_scene(tmp_path / "again")
+    for name in ("000.png", "031.png"):
+        assert (again / "images" / name).read_bytes() == (demo_dir / "images" / name).read_bytes()
+    assert (again / "sparse/0/points3D.bin").read_bytes() == (demo_dir / "sparse/0/points3D.bin").read_bytes()
+    other = write_demo_scene(tmp_path / "other", n_views=4, width=32, height=24, seed=1)
+    assert (other / "sparse/0/points3D.bin").read_bytes() != (demo_dir / "sparse/0/points3D.bin").read_bytes()
+    small = load_scene(other, test_every=0)
+    assert len(small.train) == 4 and small.train[0].image.shape == (24, 32, 3)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(UserError):
+        write_demo_scene(tmp_path, n_views=1)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="not a directory"):
+        write_demo_scene(tmp_path / "f")

@@ -1,0 +1,127 @@
+"""L1, SSIM, PSNR and the photometric training loss."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gstrain.train import losses
+from gstrain.train.losses import (
+    get_ssim_impl,
+    l1_loss,
+    photometric_loss,
+    psnr,
+    set_ssim_impl,
+    ssim,
+    ssim_conv,
+)
+
+
+def _img(h: int, w: int, seed: int) -> torch.Tensor:
+    return torch.rand(h, w, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def _ssim_brute_force(a: np.ndarray, b: np.ndarray, window: int = 11, sigma: float = 1.5) -> float:
+    """Per-pixel SSIM in float64 with an explicit 2-D Gaussian window and zero padding (3DGS)."""
+    h, w, c = a.shape
+    x = np.arange(window) - window // 2
+    g = np.exp(-(x**2) / (2 * sigma**2))
+    g /= g.sum()
+    win = np.outer(g, g)
+    pad = window // 2
+    total = 0.0
+    for ch in range(c):
+        ap = np.pad(a[:, :, ch], pad)
+        bp = np.pad(b[:, :, ch], pad)
+        for i in range(h):
+            for j in range(w):
+                pa = ap[i:i + window, j:j + window]
+                pb = bp[i:i + window, j:j + window]
+                mx = (win * pa).sum()
+                my = (win * pb).sum()
+                vx = (win * pa * pa).sum() - mx * mx
+                vy = (win * pb * pb).sum() - my * my
+                cxy = (win * pa * pb).sum() - mx * my
+                c1, c2 = 0.01**2, 0.03**2
+                total += ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return total / (h * w * c)
+
+
+def test_ssim_identical_is_one():
+    img = _img(20, 17, 0)
+    assert torch.allclose(ssim(img, img), torch.tensor(1.0), atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(9, 13), (16, 6)])
+def test_ssim_matches_brute_force(shape):
+    a = _img(*shape, 1)
+    b = (a + 0.2 * _img(*shape, 2)).clamp(0, 1)
+    want = _ssim_brute_force(a.double().numpy(), b.double().numpy())
+    got64 = ssim_conv(a.double(), b.double())
+    assert got64.dtype == torch.float64
+    assert math.isclose(float(got64), want, rel_tol=1e-10, abs_tol=1e-12)
+    assert math.isclose(float(ssim(a, b)), want, rel_tol=1e-4)
+    assert float(ssim(a, b)) < 0.99
+
+
+def test_ssim_batched_equals_mean_of_singles():
+    a = torch.stack([_img(8, 8, 3), _img(8, 8, 4)])
+    b = torch.stack([_img(8, 8, 5), _img(8, 8, 6)])
+    single = (ssim(a[0], b[0]) + ssim(a[1], b[1])) / 2
+    assert torch.allclose(ssim(a, b), single, atol=1e-6)
+
+
+def test_ssim_gradient_flows():
+    gt = _img(12, 10, 7)
+    img = _img(12, 10, 8).requires_grad_(True)
+    (1 - ssim(img, gt)).backward()
+    assert img.grad is not None and torch.isfinite(img.grad).all() and img.grad.abs().sum() > 0
+
+
+def test_psnr_known_mse():
+    gt = torch.zeros(4, 5, 3)
+    img = torch.full((4, 5, 3), 0.1)  # MSE = 0.01 -> 20 dB
+    assert torch.allclose(psnr(img, gt), torch.tensor(20.0), atol=1e-4)
+    assert torch.isinf(psnr(gt, gt))
+
+
+def test_l1():
+    a = torch.zeros(2, 2, 3)
+    b = torch.full((2, 2, 3), 0.25)
+    assert torch.allclose(l1_loss(a, b), torch.tensor(0.25))
+
+
+def test_photometric_loss_combination():
+    gt = _img(10, 11, 9)
+    img = _img(10, 11, 10).requires_grad_(True)
+    loss, terms = photometric_loss(img, gt, ssim_lambda=0.3)
+    want = 0.7 * l1_loss(img, gt) + 0.3 * (1 - ssim(img, gt))
+    assert torch.allclose(loss, want, atol=1e-6)
+    assert torch.allclose(terms["l1"], l1_loss(img, gt).detach())
+    assert torch.allclose(terms["ssim"], ssim(img, gt).detach())
+    assert not terms["l1"].requires_grad
+    loss.backward()
+    assert img.grad is not None
+
+
+def test_ssim_impl_hook():
+    calls = []
+
+    def fake(img, gt, window, sigma):
+        calls.append((window, sigma))
+        return torch.tensor(0.5)
+
+    previous = set_ssim_impl(fake)
+    try:
+        assert previous is ssim_conv
+        assert get_ssim_impl() is fake
+        assert float(ssim(_img(4, 4, 0), _img(4, 4, 1))) == 0.5
+        loss, _ = photometric_loss(_img(4, 4, 0), _img(4, 4, 0), ssim_lambda=1.0)
+        assert float(loss) == 0.5
+        assert calls == [(11, 1.5), (11, 1.5)]
+    finally:
+        set_ssim_impl(None)
+    assert losses.get_ssim_impl() is ssim_conv

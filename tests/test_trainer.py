@@ -1,0 +1,81 @@
+"""Trainer-level behaviour that the CLI tests cannot reach cheaply: NaN safety, sampler, SH schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gstrain.config import build_config
+from gstrain.data.colmap import load_scene
+from gstrain.train import trainer as trainer_mod
+from gstrain.train.checkpoint import list_checkpoints
+from gstrain.train.trainer import Trainer, ViewSampler
+
+
+@pytest.fixture(scope="module")
+def scene(demo_scene):
+    return load_scene(demo_scene)
+
+
+def make_trainer(scene, run_dir, **train):
+    cfg = build_config(overrides=[
+        {"train": {"steps": 40, **train}, "log": {"progress_every": 5, "ckpt_every": 10, "tb_every": 1000,
+                                                  "eval_steps": [], "save_steps": []},
+         "strategy": {"refine_start": 10, "refine_every": 10}, "model": {"sh_degree": 1}},
+    ])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lambda m: None)
+
+
+def test_sampler_visits_every_view_and_resumes():
+    a = ViewSampler(5, seed=0)
+    first = [a.next() for _ in range(5)]
+    assert sorted(first) == list(range(5))
+    state = a.state_dict()
+    rest = [a.next() for _ in range(7)]
+    b = ViewSampler(5, seed=123)
+    b.load_state_dict(state)
+    assert [b.next() for _ in range(7)] == rest
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(scene, tmp_path, monkeypatch):
+    trainer = make_trainer(scene, tmp_path / "run")
+    real_loss = trainer_mod.photometric_loss
+    calls = {"n": 0}
+
+    def poisoned(image, gt, lam):
+        calls["n"] += 1
+        loss, terms = real_loss(image, gt, lam)
+        if calls["n"] >= 23:  # from step 23 on, the loss is NaN
+            loss = loss * float("nan")
+        return loss, terms
+
+    monkeypatch.setattr(trainer_mod, "photometric_loss", poisoned)
+    result = trainer.fit()
+    assert result.status == "nan"
+    steps = [s for s, _ in list_checkpoints(tmp_path / "run")]
+    assert steps and max(steps) == 20  # the step-30 checkpoint was never written
+    state = torch.load(result.checkpoint, weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["params"].values())
+    assert result.step <= 25  # it stopped at the first check after the NaN
+
+
+def test_sh_degree_schedule(scene, tmp_path):
+    trainer = make_trainer(scene, tmp_path / "run", sh_degree_interval=10)
+    degrees = []
+    for step in (0, 9, 10, 25, 100):
+        trainer.step = step
+        degrees.append(trainer.active_sh_degree())
+    assert degrees == [0, 0, 1, 1, 1]
+
+
+def test_training_reduces_loss(scene, tmp_path):
+    trainer = make_trainer(scene, tmp_path / "run")
+    losses = []
+    for step in range(60):
+        loss, _, _ = trainer.train_step(step)
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
