@@ -122,6 +122,8 @@ def run_sfm(
             )  # fmt: skip
             with pycolmap.Database.open(db) as database:
                 n_in_db = database.num_images()
+            if n_in_db < 2:
+                raise UserError(f"COLMAP could read only {n_in_db} of the {len(names)} photos in {photos}")
             if n_in_db < len(names):
                 notes.append(f"COLMAP could not read {len(names) - n_in_db} of the photos")
 

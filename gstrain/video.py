@@ -25,7 +25,6 @@ from gstrain.data.scene import View
 from gstrain.errors import UserError
 
 if TYPE_CHECKING:
-    from gstrain.config import RenderConfig
     from gstrain.render import Renderer
 
 PATHS = ("test", "train", "orbit", "spiral")
@@ -348,7 +347,7 @@ def render_run(
     step = int(state.get("step", 0))
     sh_degree = _sh_degree(params, step, cfg.train.sh_degree_interval, cfg.model.sh_degree)
     background = torch.tensor(cfg.data.background, dtype=torch.float32, device=dev)
-    frame_fn = _frame_renderer(renderer, rcfg, dev, params, sh_degree, background, what)
+    frame_fn = _frame_renderer(renderer, dev, params, sh_degree, background, what)
     if what == "depth":
         picks = np.linspace(0, len(cams) - 1, min(len(cams), DEPTH_SAMPLE_FRAMES)).round().astype(int)
         near, far = depth_range([frame_fn(cams[i]) for i in np.unique(picks)])
@@ -402,7 +401,6 @@ def _sh_degree(params: torch.nn.ParameterDict, step: int, interval: int, max_deg
 
 def _frame_renderer(
     renderer: Renderer,
-    rcfg: RenderConfig,
     dev: torch.device,
     params: torch.nn.ParameterDict,
     sh_degree: int,
@@ -410,23 +408,13 @@ def _frame_renderer(
     what: str,
 ) -> Callable[[Camera], np.ndarray]:
     """cam -> float [H,W,3] in [0,1] for rgb/alpha, or [H,W,1] depth (0 = nothing hit)."""
-    from gstrain.render import Renderer  # noqa: F811 - the runtime import of the TYPE_CHECKING name
-
-    depth_renderer = renderer
 
     @torch.no_grad()
     def frame(cam: Camera) -> np.ndarray:
-        nonlocal depth_renderer
         vm, K, w, h = cam
         vm, K = vm.to(dev), K.to(dev)
         if what == "depth":
-            try:
-                depth = depth_renderer.render_depth(params, vm, K, w, h)
-            except NotImplementedError:
-                # the kernels have no depth pass yet: the reference renderer runs on any device
-                depth_renderer = Renderer(dataclasses.replace(rcfg, backend="reference"), dev)
-                depth = depth_renderer.render_depth(params, vm, K, w, h)
-            return depth.float().cpu().numpy()
+            return renderer.render_depth(params, vm, K, w, h).float().cpu().numpy()
         image, alpha, _ = renderer(params, vm, K, w, h, sh_degree, background)
         x = image if what == "rgb" else alpha.expand(-1, -1, 3)
         return x.clamp(0, 1).float().cpu().numpy()
@@ -448,6 +436,10 @@ def _write_frames(
     if not is_video:
         for i, cam in enumerate(bar):
             imageio.imwrite(out / f"{i:05d}.png", to_image(cam))
+        # frames beyond this render's end are left from a longer earlier one: they'd join the sequence
+        for stale in out.glob("[0-9][0-9][0-9][0-9][0-9].png"):
+            if int(stale.stem) >= len(cams):
+                stale.unlink()
         return
     # Write next to the target and rename at the end: an interrupted render leaves no broken file.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=VIDEO_SUFFIX, dir=out.parent)

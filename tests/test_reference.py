@@ -208,11 +208,50 @@ def test_rasterize_matches_brute_force(width: int, height: int, n: int, seed: in
     m, con, col, op, radii, dep = scene_2d(n, width, height, seed)
     bg = torch.tensor([0.2, 0.5, 0.9], dtype=F64)
     want = brute_rasterize(m, con, col, op, radii, dep, width, height, bg)
-    for cell in (16, 8, 4):  # sub-tile culling must not change a single pixel
-        got = run(ref._rasterize, m, con, col, op, radii, dep, width, height, bg, cell=cell)
+    # neither sub-tile culling nor composing in segments may change a single pixel
+    for cell, segment in ((16, 32), (8, 32), (4, 32), (8, 3), (16, 1)):
+        got = run(ref._rasterize, m, con, col, op, radii, dep, width, height, bg, cell=cell, segment=segment)
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def dense_scene() -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor]]:
+    # many opaque Gaussians: half the pixels stop, at different places within a cell's list
+    w, h = 31, 22
+    m, con, col, op, radii, dep = scene_2d(300, w, h, 11, max_std=4.0)
+    op = 0.5 + 0.5 * op  # up to 0.975
+    op[::9] = 0.995  # capped
+    margins: dict[str, float] = {}
+    want = brute_rasterize(m, con, col, op, radii, dep, w, h, margins=margins)
+    assert margins["n_stop"] > w * h // 3 and margins["n_cap"] > 0
+    return (m, con, col, op, radii, dep), want
+
+
+@pytest.mark.parametrize("segment", [32, 3, 1])
+def test_dense_scene_matches_brute_force(dense_scene, segment: int) -> None:
+    (m, con, col, op, radii, dep), want = dense_scene
+    got = run(ref._rasterize, m, con, col, op, radii, dep, 31, 22, segment=segment)
+    for g, wnt in zip(got, want, strict=True):
+        torch.testing.assert_close(g, wnt, atol=1e-6, rtol=0)
+
+
+def test_second_backward_after_another_render() -> None:
+    # retain_graph: the 2nd backward must not read intermediates another render has overwritten
+    w, h = 29, 21
+    sc = scene_2d(80, w, h, 4)
+    leaves = [t.clone().requires_grad_(True) for t in sc[:4]]
+    image, alpha = rasterize(*leaves, sc[4], sc[5], w, h)
+    loss = image.sum() + alpha.sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    other = scene_2d(80, w, h, 5)
+    o_leaves = [t.clone().requires_grad_(True) for t in other[:4]]
+    o_image, _ = rasterize(*o_leaves, other[4], other[5], w, h)  # reuses the freed buffers
+    second = torch.autograd.grad(loss, leaves)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    o_image.sum().backward()
 
 
 def test_stop_rule_skip_rule_and_cap() -> None:
@@ -237,6 +276,32 @@ def test_stop_rule_skip_rule_and_cap() -> None:
     # opacity 0.999 is capped at 0.99 in front of everything
     image2, alpha2 = run(rasterize, m[5:], con[5:], col[5:], op[5:], radii[5:], dep[5:], 21, 20)
     torch.testing.assert_close(alpha2[10, 10, 0], torch.tensor(0.99, dtype=F64))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ops"),
+    [(F64, (0.928, 0.863, 0.9898621248986212)), (torch.float32, (0.942, 0.947, 0.9674690961837769))],
+)
+def test_exact_thresholds_are_inclusive(dtype: torch.dtype, ops: tuple[float, ...]) -> None:
+    # on a pixel centre sigma = 0 and alpha = opacity: these three leave T == 1e-4 exactly in
+    # dtype, which does not stop the pixel (the stop is T < 1e-4); a 4th behind them does. An
+    # opacity of exactly 1/255 is composited (the skip is alpha < 1/255).
+    m = torch.tensor([[10.5, 8.5]] * 4 + [[3.5, 3.5]], dtype=dtype)
+    con = torch.tensor([[1.0, 0.0, 1.0]] * 5, dtype=dtype)
+    op = torch.tensor([*ops, 0.5, 1.0 / 255.0], dtype=dtype)
+    col = torch.tensor([[1.0], [1.0], [1.0], [100.0], [1.0]], dtype=dtype)
+    radii = torch.full((5, 2), 4, dtype=torch.int32)
+    dep = torch.arange(1.0, 6.0, dtype=dtype)
+    image, alpha = run(rasterize, m, con, col, op, radii, dep, 20, 18)
+    t = torch.ones((), dtype=dtype)
+    for o in ops:
+        t = t * (1 - torch.tensor(o, dtype=dtype))
+    assert t == torch.tensor(1e-4, dtype=dtype)  # the premise
+    assert alpha[8, 10, 0] == 1 - t and image[8, 10, 0] < 1.0  # the 4th (colour 100) is not reached
+    assert image[3, 3, 0] == torch.tensor(1.0 / 255.0, dtype=dtype)
+    if dtype == F64:  # (the float32 premise does not hold in the float64 loop)
+        want = brute_rasterize(m, con, col, op, radii, dep, 20, 18)
+        torch.testing.assert_close(image, want[0], atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("channels", [1, 3, 5])
@@ -303,16 +368,18 @@ def test_hand_written_backward_matches_autograd() -> None:
         w_img = torch.randn(h, w, 3, generator=g, dtype=dtype)
         w_a = torch.randn(h, w, 1, generator=g, dtype=dtype)
         results = []
-        for use_autograd in (False, True):
+        for use_autograd, segment in ((True, 0), (False, 32), (False, 5)):
             leaves = [t.clone().requires_grad_(True) for t in (*sc[:4], bg)]
             image, alpha = ref._rasterize(
-                *leaves[:4], sc[4], sc[5], w, h, leaves[4], use_autograd=use_autograd, chunk_elems=1 << 12
-            )
+                *leaves[:4], sc[4], sc[5], w, h, leaves[4], use_autograd=use_autograd, chunk_elems=1 << 12,
+                segment=segment or 32,
+            )  # fmt: skip
             ((image * w_img).sum() + (alpha * w_a).sum()).backward()
             results.append([image, alpha] + [t.grad for t in leaves])
-        for a, b in zip(*results, strict=True):
-            scale = b.abs().max().clamp_min(1.0)
-            torch.testing.assert_close(a / scale, b / scale, atol=tol, rtol=0)
+        for fast in results[1:]:
+            for a, b in zip(fast, results[0], strict=True):
+                scale = b.abs().max().clamp_min(1.0)
+                torch.testing.assert_close(a / scale, b / scale, atol=tol, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,11 +413,12 @@ def test_rasterize_gradcheck_dense() -> None:
     else:
         raise AssertionError("no safe scene")
     inputs = [t.clone().requires_grad_(True) for t in (m, con, col, op)]
+    for segment in (32, 3):  # also across segment boundaries, where the backward carries state
 
-    def f(*xs):
-        return rasterize(*xs, radii, dep, w, h)
+        def f(*xs):
+            return ref._rasterize(*xs, radii, dep, w, h, segment=segment)  # noqa: B023
 
-    assert torch.autograd.gradcheck(projected(f), inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+        assert torch.autograd.gradcheck(projected(f), inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
 def test_render_reference_gradcheck() -> None:
@@ -393,7 +461,8 @@ def test_render_reference_gradcheck() -> None:
 # absgrad
 
 
-def test_absgrad_matches_per_pixel_brute_force() -> None:
+@pytest.mark.parametrize("segment", [32, 3])
+def test_absgrad_matches_per_pixel_brute_force(segment: int) -> None:
     w, h = 13, 11
     m, con, col, op, radii, dep = scene_2d(12, w, h, 5)
     g = torch.Generator().manual_seed(1)
@@ -401,14 +470,17 @@ def test_absgrad_matches_per_pixel_brute_force() -> None:
     w_a = torch.randn(h, w, 1, generator=g, dtype=F64)
 
     leaves = [t.clone().requires_grad_(True) for t in (m, con, col, op)]
-    image, alpha = rasterize(*leaves, radii, dep, w, h, absgrad=True)
+    if segment == 32:
+        image, alpha = rasterize(*leaves, radii, dep, w, h, absgrad=True)
+    else:
+        image, alpha = ref._rasterize(*leaves, radii, dep, w, h, absgrad_owner=leaves[0], segment=segment)
     ((image * w_img).sum() + (alpha * w_a).sum()).backward()
     got = leaves[0].absgrad
     assert got.shape == (12, 2)
 
     # each pixel's own d loss / d means2d, one backward per pixel (retain_graph: recomputes)
     m2 = m.clone().requires_grad_(True)
-    image, alpha = rasterize(m2, con, col, op, radii, dep, w, h)
+    image, alpha = ref._rasterize(m2, con, col, op, radii, dep, w, h, segment=segment)
     pixel_loss = (image * w_img).sum(-1) + (alpha * w_a).sum(-1)
     want = torch.zeros_like(m)
     for y in range(h):
@@ -451,6 +523,22 @@ def test_render_reference_info_and_strategy() -> None:
         assert state["count"][3:].sum() > 0 and state["count"][:3].sum() == 0
         for v in params.values():
             v.grad = None
+
+
+def test_render_reference_phase_timer() -> None:
+    from gstrain.train.timing import PhaseTimer
+
+    w, h = 30, 22
+    viewmat, K = camera(w, h, 25.0, torch.float32)
+    p = {k: v.float().requires_grad_(True) for k, v in gaussians_3d(40, 0, 3).items()}
+    timer = PhaseTimer(torch.device("cpu"))
+    image, alpha, _ = render_reference(p, viewmat, K, w, h, 3, timer=timer)
+    plain, _, _ = render_reference(p, viewmat, K, w, h, 3)
+    assert torch.equal(image, plain)
+    image.sum().backward()
+    timer.step_done()
+    times = timer.summary()
+    assert {"projection", "raster_fwd", "raster_bwd"} <= set(times) and times["raster_bwd"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class Renderer:
             from gstrain.render.cuda import ensure_built
 
             ensure_built()
-            if cfg.atomic_mode == "arc":
+            if cfg.atomic_mode == "arc":  # one tuner per renderer: its own scene, sizes and population
                 self.tuner = ArcTuner()
 
     def __call__(
@@ -55,7 +55,9 @@ class Renderer:
         height: int,
         sh_degree: int,
         background: torch.Tensor | None = None,
+        timer: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Render one view. A PhaseTimer, when given, gets the projection / raster_fwd / raster_bwd split."""
         if self.backend == "cuda":
             from gstrain.render.cuda import render_cuda
 
@@ -65,10 +67,13 @@ class Renderer:
                 atomic_mode=self.cfg.atomic_mode,
                 atomic_threshold=self.cfg.atomic_threshold,
                 tuner=self.tuner,
+                timer=timer,
             )
         from gstrain.render.reference import render_reference
 
-        return render_reference(params, viewmat, K, width, height, sh_degree, background, absgrad=self.absgrad)
+        return render_reference(
+            params, viewmat, K, width, height, sh_degree, background, absgrad=self.absgrad, timer=timer
+        )
 
     def render_depth(
         self,
@@ -83,19 +88,20 @@ class Renderer:
         Camera-space z of each Gaussian's centre, composited with the same weights as colour.
         """
         if self.backend == "cuda":
-            # TODO(lead, render/cuda owner): composite a 1-channel depth on our kernels; until then
-            # gstrain.video falls back to a reference-backend Renderer on the same device.
-            raise NotImplementedError("depth rendering on the cuda backend is not implemented yet")
-        from gstrain.render.reference import project_gaussians, rasterize
+            from gstrain.render.cuda import render_depth_cuda
 
-        means = params["means"]
-        proj = project_gaussians(
-            means, params["quats"], torch.exp(params["scales"]), viewmat.to(means), K.to(means), width, height
-        )
-        acc, alpha = rasterize(
-            proj.means2d, proj.conics, proj.depths[:, None], torch.sigmoid(params["opacities"]),
-            proj.radii, proj.depths, width, height,
-        )  # fmt: skip
+            acc, alpha = render_depth_cuda(params, viewmat, K, width, height)
+        else:
+            from gstrain.render.reference import project_gaussians, rasterize
+
+            means = params["means"]
+            proj = project_gaussians(
+                means, params["quats"], torch.exp(params["scales"]), viewmat.to(means), K.to(means), width, height
+            )
+            acc, alpha = rasterize(
+                proj.means2d, proj.conics, proj.depths[:, None], torch.sigmoid(params["opacities"]),
+                proj.radii, proj.depths, width, height,
+            )  # fmt: skip
         # below 1/255 coverage the ratio is noise (and 0/0 where nothing is hit)
         covered = alpha > 1.0 / 255.0
         return torch.where(covered, acc / alpha.clamp_min(1e-10), torch.zeros_like(acc))

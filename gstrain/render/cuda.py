@@ -15,6 +15,8 @@ import os
 import shutil
 import sys
 import threading
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -274,11 +276,10 @@ def rasterize_cuda(
     threshold = resolve_threshold(atomic_mode, atomic_threshold)
     if threshold is None and tuner is None:
         tuner = default_tuner()
-    plan = _BackwardPlan(
-        threshold,
-        tuner if threshold is None else None,
-        VECTOR_ATOMICS_DEFAULT if vector_atomics is None else bool(vector_atomics),
-    )
+    if vector_atomics is None:
+        # `atomic` is the original 3DGS kernel: one scalar atomicAdd per float per lane
+        vector_atomics = VECTOR_ATOMICS_DEFAULT and atomic_mode != "atomic"
+    plan = _BackwardPlan(threshold, tuner if threshold is None else None, bool(vector_atomics))
     bg = backgrounds.float().contiguous() if backgrounds is not None else None
     return _RasterizeCuda.apply(
         means2d.contiguous(),
@@ -296,6 +297,86 @@ def rasterize_cuda(
     )
 
 
+@dataclass
+class Splats:
+    """Gaussians projected into one camera by gsplat: what the rasterizer consumes ([1, N, ...])."""
+
+    means2d: Tensor  # [1, N, 2]
+    conics: Tensor  # [1, N, 3]
+    depths: Tensor  # [1, N]
+    radii: Tensor  # [1, N, 2] int32
+    opacities: Tensor  # [1, N]
+    isect_offsets: Tensor  # [1, tiles_y, tiles_x]
+    flatten_ids: Tensor  # [M]
+    width: int
+    height: int
+
+
+def project_splats(
+    params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int
+) -> Splats:
+    """gsplat's public projection and tile intersection for one camera."""
+    from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
+
+    radii, means2d, depths, conics, _ = fully_fused_projection(
+        params["means"], None, params["quats"], torch.exp(params["scales"]),
+        viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
+    )  # fmt: skip
+    tiles_x = (width + TILE_SIZE - 1) // TILE_SIZE
+    tiles_y = (height + TILE_SIZE - 1) // TILE_SIZE
+    _, isect_ids, flatten_ids = isect_tiles(
+        means2d, radii, depths, TILE_SIZE, tiles_x, tiles_y, packed=False, n_images=1
+    )
+    isect_offsets = isect_offset_encode(isect_ids, 1, tiles_x, tiles_y)
+    opacities = torch.sigmoid(params["opacities"])[None]
+    return Splats(means2d, conics, depths, radii, opacities, isect_offsets, flatten_ids, width, height)
+
+
+def splat_colors(params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, sh_degree: int,
+                 radii: Tensor) -> Tensor:
+    """colour = max(SH(dirs) + 0.5, 0) with dirs = mean - camera centre, via gsplat ([1, N, 3])."""
+    from gsplat import spherical_harmonics
+
+    means = params["means"]
+    campos = torch.linalg.inv(viewmat[None].float())[:, :3, 3]  # [1, 3]
+    dirs = means[None] - campos[:, None, :]
+    coeffs = torch.cat([params["sh0"], params["shN"]], dim=1)[None]
+    visible = (radii > 0).all(dim=-1)  # skips SH work for Gaussians off screen
+    colors = spherical_harmonics(sh_degree, dirs, coeffs, masks=visible)
+    return torch.clamp_min(colors + 0.5, 0.0)
+
+
+def rasterize_splats(
+    splats: Splats,
+    colors: Tensor,
+    background: Tensor | None = None,
+    absgrad: bool = False,
+    atomic_mode: str = "arc",
+    atomic_threshold: int = 8,
+    tuner: ArcTuner | None = None,
+    vector_atomics: bool | None = None,
+    conics: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Composite projected splats with our kernels, or gsplat's own when atomic_mode='gsplat'.
+
+    `conics` may replace splats.conics (a timing hook wraps it). Returns image, alpha [1,H,W,ch/1].
+    """
+    conics = splats.conics if conics is None else conics
+    backgrounds = None if background is None else background.reshape(1, -1)
+    if atomic_mode == "gsplat":
+        from gsplat import rasterize_to_pixels
+
+        return rasterize_to_pixels(
+            splats.means2d, conics, colors, splats.opacities, splats.width, splats.height, TILE_SIZE,
+            splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=absgrad,
+        )  # fmt: skip
+    return rasterize_cuda(
+        splats.means2d, conics, colors, splats.opacities, splats.width, splats.height, TILE_SIZE,
+        splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=absgrad,
+        atomic_mode=atomic_mode, atomic_threshold=atomic_threshold, tuner=tuner, vector_atomics=vector_atomics,
+    )  # fmt: skip
+
+
 def render_cuda(
     params: torch.nn.ParameterDict | dict[str, Tensor],
     viewmat: Tensor,
@@ -309,63 +390,29 @@ def render_cuda(
     atomic_threshold: int = 8,
     tuner: ArcTuner | None = None,
     vector_atomics: bool | None = None,
+    timer: Any = None,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """Render one view: image [H,W,3], alpha [H,W,1], info (what gsplat's strategies read)."""
-    from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles, spherical_harmonics
+    """Render one view: image [H,W,3], alpha [H,W,1], info (what gsplat's strategies read).
 
-    means = params["means"]
-    viewmats = viewmat[None].float()
-    Ks = K[None].float()
-    radii, means2d, depths, conics, _ = fully_fused_projection(
-        means,
-        None,
-        params["quats"],
-        torch.exp(params["scales"]),
-        viewmats,
-        Ks,
-        width,
-        height,
-        eps2d=0.3,
-        near_plane=0.01,
-        packed=False,
-    )
-    # colour = max(SH(dirs) + 0.5, 0), dirs = mean - camera centre
-    campos = torch.linalg.inv(viewmats)[:, :3, 3]  # [1, 3]
-    dirs = means[None] - campos[:, None, :]
-    coeffs = torch.cat([params["sh0"], params["shN"]], dim=1)[None].expand(1, -1, -1, -1)
-    visible = (radii > 0).all(dim=-1)  # skips SH work for Gaussians off screen
-    colors = spherical_harmonics(sh_degree, dirs, coeffs, masks=visible)
-    colors = torch.clamp_min(colors + 0.5, 0.0)
-    opacities = torch.sigmoid(params["opacities"])[None]
-
-    tile_width = (width + TILE_SIZE - 1) // TILE_SIZE
-    tile_height = (height + TILE_SIZE - 1) // TILE_SIZE
-    _, isect_ids, flatten_ids = isect_tiles(
-        means2d, radii, depths, TILE_SIZE, tile_width, tile_height, packed=False, n_images=1
-    )
-    isect_offsets = isect_offset_encode(isect_ids, 1, tile_width, tile_height)
-    image, alpha = rasterize_cuda(
-        means2d,
-        conics,
-        colors,
-        opacities,
-        width,
-        height,
-        TILE_SIZE,
-        isect_offsets,
-        flatten_ids,
-        backgrounds=None if background is None else background.reshape(1, -1),
-        absgrad=absgrad,
-        atomic_mode=atomic_mode,
-        atomic_threshold=atomic_threshold,
-        tuner=tuner,
-        vector_atomics=vector_atomics,
-    )
+    With a PhaseTimer, the time splits into projection (gsplat projection, SH, tile
+    intersection), raster_fwd, and raster_bwd (the rasterizer's share of backward).
+    """
+    with _phase(timer, "projection"):
+        splats = project_splats(params, viewmat, K, width, height)
+        colors = splat_colors(params, viewmat, sh_degree, splats.radii)
+    with _phase(timer, "raster_fwd"):
+        span = timer.backward_span("raster_bwd") if timer is not None else None
+        conics = span.input(splats.conics) if span is not None else None
+        image, alpha = rasterize_splats(
+            splats, colors, background, absgrad, atomic_mode, atomic_threshold, tuner, vector_atomics, conics
+        )
+        if span is not None:
+            image = span.output(image)
     info: dict[str, Any] = {  # the reference renderer's keys
-        "means2d": means2d,  # [1, N, 2]: retain_grad() here collects the screen-space gradient
-        "radii": radii,  # [1, N, 2] int32
-        "depths": depths,  # [1, N]
-        "conics": conics,  # [1, N, 3]
+        "means2d": splats.means2d,  # [1, N, 2]: retain_grad() here collects the screen-space gradient
+        "radii": splats.radii,  # [1, N, 2] int32
+        "depths": splats.depths,  # [1, N]
+        "conics": splats.conics,  # [1, N, 3]
         "width": width,
         "height": height,
         "n_cameras": 1,
@@ -373,3 +420,16 @@ def render_cuda(
         "tile_size": TILE_SIZE,
     }
     return image[0], alpha[0], info
+
+
+def render_depth_cuda(
+    params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int
+) -> tuple[Tensor, Tensor]:
+    """Camera-space depth composited like colour (1 channel): (sum w_i d_i [H,W,1], alpha [H,W,1])."""
+    splats = project_splats(params, viewmat, K, width, height)
+    acc, alpha = rasterize_splats(splats, splats.depths[..., None], atomic_mode="warp")
+    return acc[0], alpha[0]
+
+
+def _phase(timer: Any, name: str):
+    return timer.phase(name) if timer is not None else nullcontext()

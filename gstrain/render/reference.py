@@ -3,16 +3,20 @@
 Everything follows docs/CONVENTIONS.md exactly (projection as gsplat's fully_fused_projection,
 per-tile compositing with the 1/255 skip, the 0.99 alpha cap and the exclusive 1e-4 stop rule).
 
-Rasterization works on (tile, Gaussian) pairs, so its cost follows the number of overlaps: the
-pairs are sorted by (tile, depth), tiles are grouped into chunks of similar pair counts and each
-chunk is evaluated as a dense [tiles, 256 pixels, K Gaussians] block. The default backward is
-written by hand (recomputing each chunk, which keeps memory bounded and caches warm); the same
-chunk code run under plain autograd is kept as `_rasterize(..., use_autograd=True)` and the tests
-check the two agree.
+Rasterization cost follows the overlaps, not pixels x Gaussians:
+- (tile, Gaussian) pairs by CONVENTIONS' tile rule, sorted by (tile, depth), stably;
+- each tile's list is split over its 8x8 pixel cells, dropping Gaussians whose alpha is provably
+  < 1/255 on the whole cell (they would be skipped anyway: no pixel changes);
+- cells of similar list lengths are evaluated together as dense [cells, 64 pixels, 32 Gaussians]
+  blocks, front to back, carrying each pixel's T; a cell leaves once all its pixels stopped.
+The backward is written by hand (_RasterizeFn). The same compositing written plainly and
+differentiated by autograd is kept as `_rasterize(..., use_autograd=True)`; the tests check the
+two against each other, against a per-pixel loop and against finite differences.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -36,7 +40,9 @@ RADIUS_SIGMAS = 3.33
 CHUNK_ELEMS = 1 << 18
 # side of the pixel cells the (tile, Gaussian) lists are refined to (a divisor of the tile size)
 CELL = 8
-# forward intermediates kept for the backward (beyond this, chunks are recomputed)
+# Gaussians composited per step; a cell leaves once all its pixels stopped
+SEGMENT = 32
+# forward intermediates kept for the backward (beyond this, segments are recomputed)
 SAVE_BYTES = 1 << 29
 
 
@@ -141,7 +147,8 @@ class _Plan:
     cell: int  # cell side in pixels
     cells_x: int
     cells_y: int
-    chunks: list[tuple[Tensor, Tensor]]  # (cell ids [Tc], Gaussian ids [Tc,K], front to back)
+    # (cell ids [Tc], Gaussian ids [Tc,K] front to back padded with n, list lengths [Tc])
+    chunks: list[tuple[Tensor, Tensor, Tensor]]
 
 
 @torch.no_grad()
@@ -174,6 +181,7 @@ def _plan_cells(
     tile_size: int,
     cell: int,
     chunk_elems: int,
+    segment: int,
 ) -> _Plan:
     n = means2d.shape[0]
     dev = means2d.device
@@ -198,34 +206,35 @@ def _plan_cells(
 
     # Gaussians front to back; stable, so equal depths keep index order (as a stable radix sort)
     order = torch.argsort(depths.detach(), stable=True)
-    order = order[counts[order] > 0]
-    cnt = counts[order]
+    order = order[counts.index_select(0, order) > 0]
+    cnt = counts.index_select(0, order)
     total = int(cnt.sum())
     if total == 0:
         return plan
+    # one row per (tile, Gaussian) pair, Gaussian by Gaussian in depth order
     gid = torch.repeat_interleave(order, cnt)
     local = torch.arange(total, device=dev) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-    tx = tmin[gid, 0] + local % span[gid, 0]
-    ty = tmin[gid, 1] + local // span[gid, 0]
+    sx = span[:, 0].index_select(0, gid)
+    tx = tmin[:, 0].index_select(0, gid) + local % sx
+    ty = tmin[:, 1].index_select(0, gid) + local // sx
 
     if r > 1:
         # split each (tile, Gaussian) pair into the tile's cells the Gaussian can reach
         ext = _alpha_extent(conics.detach(), opacities.detach())
+        mg, eg = m.index_select(0, gid), ext.index_select(0, gid)
+        lo, hi_ = mg - eg, mg + eg  # box of the pixel centres it can reach
         off = torch.arange(r, device=dev)
-        cx = tx[:, None] * r + off  # [pairs, r] cell column
-        cy = ty[:, None] * r + off
-        lo_x, lo_y = cx.to(m.dtype) * cell + 0.5, cy.to(m.dtype) * cell + 0.5  # first pixel centre
-        lo, hi_ = m[gid] - ext[gid], m[gid] + ext[gid]  # box of the reachable pixel centres
-        hit_x = (hi_[:, None, 0] >= lo_x) & (lo[:, None, 0] <= lo_x + cell - 1)
-        hit_y = (hi_[:, None, 1] >= lo_y) & (lo[:, None, 1] <= lo_y + cell - 1)
-        p, iy, ix = torch.nonzero(hit_y[:, :, None] & hit_x[:, None, :], as_tuple=True)
-        key = cy[p, iy] * plan.cells_x + cx[p, ix]
-        gid = gid[p]
+        first = torch.stack([tx, ty], -1)[:, None, :] * tile_size + (off * cell)[:, None] + 0.5  # [pairs,r,2]
+        hit = (hi_[:, None, :] >= first) & (lo[:, None, :] <= first + (cell - 1))  # per axis
+        p, iy, ix = torch.nonzero(hit[:, :, None, 1] & hit[:, None, :, 0], as_tuple=True)
+        key = (ty.index_select(0, p) * r + iy) * plan.cells_x + tx.index_select(0, p) * r + ix
+        gid = gid.index_select(0, p)
     else:
         key = ty * plan.cells_x + tx
     # a stable sort by cell keeps the depth order within each cell
-    key, perm = torch.sort(key, stable=True)
-    gid = gid[perm]
+    key, perm = torch.sort(key.int(), stable=True)
+    key = key.long()
+    gid = gid.index_select(0, perm)
     total = key.numel()
     if total == 0:
         return plan
@@ -234,21 +243,22 @@ def _plan_cells(
     cell_counts = torch.bincount(key, minlength=n_cells)
     cell_start = torch.cumsum(cell_counts, 0) - cell_counts
     busy = torch.nonzero(cell_counts).squeeze(1)
-    # chunk cells of similar list lengths together, so padding to the chunk's longest stays small
+    # chunk cells of similar list lengths together, so padding to the chunk's longest stays small;
+    # one segment of a chunk is at most chunk_elems (pixels x Gaussians)
     busy = busy[torch.argsort(cell_counts[busy], stable=True)]
     busy_counts = cell_counts[busy].tolist()
     pix = cell * cell
     i = 0
     while i < len(busy_counts):
         j = i + 1
-        while j < len(busy_counts) and (j + 1 - i) * pix * busy_counts[j] <= chunk_elems:
+        while j < len(busy_counts) and (j + 1 - i) * pix * min(segment, busy_counts[j]) <= chunk_elems:
             j += 1
         k = busy_counts[j - 1]
         cells = busy[i:j]
         ar = torch.arange(k, device=dev)
         pos = (cell_start[cells, None] + ar).clamp_max(total - 1)
-        ids = torch.where(ar < cell_counts[cells, None], gid[pos], n)
-        plan.chunks.append((cells, ids))
+        ids = torch.where(ar < cell_counts[cells, None], gid.index_select(0, pos.view(-1)).view(pos.shape), n)
+        plan.chunks.append((cells, ids, cell_counts[cells]))
         i = j
     return plan
 
@@ -296,158 +306,199 @@ _POOL: list[Tensor] = []  # flat buffers reused for the intermediates kept from 
 _POOL_LOCK = threading.Lock()
 
 
-def _take_arena(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A flat buffer of at least numel elements. Reused across calls: fresh memory costs a page
-    fault per 4 KiB, more than the arithmetic done on it, and training renders similar sizes."""
+def _take_arena(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat CPU buffer of SAVE_BYTES. Reused across calls: fresh memory costs a page fault per
+    4 KiB, more than the arithmetic done on it; pages never touched cost nothing."""
+    numel = SAVE_BYTES // torch.empty((), dtype=dtype).element_size()
     with _POOL_LOCK:
         for i, t in enumerate(_POOL):
-            if t.dtype == dtype and t.device == device and t.numel() >= numel:
+            if t.dtype == dtype and t.device == device and t.numel() == numel:
                 return _POOL.pop(i)
-    # untouched pages cost nothing, so round up generously to be reusable next time
-    return torch.empty(1 << max(numel - 1, 1).bit_length(), dtype=dtype, device=device)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _give_arena(t: Tensor) -> None:
     with _POOL_LOCK:
         _POOL.append(t)
-        _POOL.sort(key=Tensor.numel, reverse=True)
-        del _POOL[2:]
+        del _POOL[:-2]  # one per dtype in use is what training needs
 
 
-def _chunk_fast(
+def _segment_numel(tc: int, p: int, b: int) -> int:
+    """Elements of the intermediates _segment_fast keeps: raw, w [Tc,P,B], 1-alpha, T [Tc,P,B+1]."""
+    return 2 * tc * p * b + 2 * tc * p * (b + 1)
+
+
+def _segment_fast(
     mean: Tensor,
     conic: Tensor,
     opac: Tensor,
     col: Tensor,
     px: Tensor,
     py: Tensor,
+    t_in: Tensor,
     bufs: Tensor | None = None,
 ) -> dict[str, Any]:
-    """The same compositing as _chunk_autograd, tuned for CPU (no autograd; used by _RasterizeFn).
+    """Composite the next B Gaussians of Tc cells, tuned for CPU (no autograd; see _RasterizeFn).
 
+    mean [Tc,B,2], conic [Tc,B,3], opac [Tc,B], col [Tc,B,C], px/py [Tc,S] pixel centres,
+    t_in [Tc,P] the running transmittance before them (0 where the pixel has stopped).
     Masks become thresholds and in-place ops (torch.where and bool->float casts are several times
-    slower than arithmetic on CPU). Every decision (sigma >= 0, alpha >= 1/255, the 0.99 cap,
-    T >= 1e-4) is computed with the same operations as _chunk_autograd, so both agree exactly.
-    bufs: optional [4, Tc*P*K] storage for raw, 1 - alpha, running T and weights (kept for backward).
+    slower than arithmetic on CPU); every decision (sigma >= 0, alpha >= 1/255, the 0.99 cap,
+    T >= 1e-4) is made on the same values as in _chunk_autograd. bufs: optional storage
+    (_segment_numel elements) for the intermediates the backward reuses.
     """
-    tc, k = opac.shape
+    tc, b = opac.shape
     s = px.shape[1]
+    p = s * s
     dt = opac.dtype
     if bufs is None:
-        bufs = torch.empty(4, tc * s * s * k, dtype=dt, device=opac.device)
-    raw, om, t_run, w = (bufs[i].view(tc, s * s, k) for i in range(4))
-    dx = mean[:, None, :, 0] - px[:, :, None]  # [Tc,x,K]
-    dy = mean[:, None, :, 1] - py[:, :, None]  # [Tc,y,K]
-    a, b, c = conic[:, None, :, 0], conic[:, None, :, 1], conic[:, None, :, 2]
+        bufs = torch.empty(_segment_numel(tc, p, b), dtype=dt, device=opac.device)
+    raw, w = bufs[: tc * p * b].view(tc, p, b), bufs[tc * p * b : 2 * tc * p * b].view(tc, p, b)
+    # T_in prepended, so cumprod multiplies in the same order as a per-pixel loop
+    om_ext = bufs[2 * tc * p * b : 2 * tc * p * b + tc * p * (b + 1)].view(tc, p, b + 1)
+    t_ext = bufs[2 * tc * p * b + tc * p * (b + 1) : 2 * tc * p * b + 2 * tc * p * (b + 1)].view(tc, p, b + 1)
+    dx = mean[:, None, :, 0] - px[:, :, None]  # [Tc,x,B]
+    dy = mean[:, None, :, 1] - py[:, :, None]  # [Tc,y,B]
+    a, bb, c = conic[:, None, :, 0], conic[:, None, :, 1], conic[:, None, :, 2]
     sx, sy = 0.5 * a * dx * dx, 0.5 * c * dy * dy
-    sig = torch.add(sx[:, None], sy[:, :, None], out=raw.view(tc, s, s, k))
-    sig.addcmul_((b * dx)[:, None], dy[:, :, None])  # [Tc,y,x,K]
+    sig = torch.add(sx[:, None], sy[:, :, None], out=raw.view(tc, s, s, b))
+    sig.addcmul_((bb * dx)[:, None], dy[:, :, None])  # [Tc,y,x,B]
     # sigma < 0 -> +inf: exp gives 0, so the 1/255 test below skips it as the rule says
     F.threshold_(sig, _below(0.0, dt), math.inf)
     sig.neg_().exp_().mul_(opac[:, None, None, :])  # now raw = o exp(-sigma)
-    # opacity <= 0.99 everywhere in the chunk: the cap cannot bite (exp(-sigma) <= 1), skip it
+    # opacity <= 0.99 everywhere here: the cap cannot bite (exp(-sigma) <= 1), skip it
     capped = bool(opac.max() > ALPHA_MAX)
     alpha = torch.clamp_max(raw, ALPHA_MAX, out=w) if capped else w.copy_(raw)
     F.threshold_(alpha, _below(ALPHA_MIN, dt), 0.0)
-    torch.sub(torch.ones((), dtype=dt), alpha, out=om)
-    t_incl = torch.cumprod(om, dim=-1, out=t_run)  # sequential products: a per-pixel loop's rounding
-    # T_final = the last running T: the smallest one >= 1e-4 (inf -> 1 when the first one stops)
-    t_final = F.threshold(t_incl, _below(T_MIN, dt), math.inf).amin(-1).clamp_max(1.0)
+    om_ext[..., 0] = t_in
+    om = torch.sub(torch.ones((), dtype=dt), alpha, out=om_ext[..., 1:])
+    torch.cumprod(om_ext, dim=-1, out=t_ext)
+    t_incl = t_ext[..., 1:]  # T after each Gaussian
+    # the last running T: the smallest one >= 1e-4 (inf where this segment composites nothing)
+    t_last = F.threshold(t_incl, _below(T_MIN, dt), math.inf).amin(-1)
     # t_incl while the pixel is still running, 0 from the stopping Gaussian on
-    F.threshold_(t_run, _below(T_MIN, dt), 0.0)
+    t_run = F.threshold_(t_incl, _below(T_MIN, dt), 0.0)
     # alpha * T_before = alpha / (1 - alpha) * T_after: no shifted copy of T needed
     alpha.div_(om).mul_(t_run)  # alpha lives in w: now the compositing weights
-    return {"rgb": w @ col, "T": t_final, "dx": dx, "dy": dy, "raw": raw, "om": om, "t_run": t_run, "w": w,
-            "capped": capped}  # fmt: skip
+    return {"rgb": w @ col, "t_last": t_last, "t_out": t_run[..., -1], "dx": dx, "dy": dy, "raw": raw,
+            "om": om, "t_run": t_run, "w": w, "capped": capped}  # fmt: skip
 
 
 class _RasterizeFn(torch.autograd.Function):
-    """Forward composites chunk by chunk; backward reuses the chunk's intermediates while they
-    fit in SAVE_BYTES and recomputes the rest (so memory stays bounded on big images).
+    """Forward: per chunk of cells, Gaussians in segments of SEGMENT front to back, carrying each
+    pixel's T; cells leave once all their pixels stopped or their lists ran out, so the work
+    follows what is composited. Backward: segments back to front, carrying the light that
+    reaches each pixel from behind; it reuses the forward's intermediates while they fit in
+    SAVE_BYTES and recomputes the rest from the saved T (so memory stays bounded).
 
     Inputs are packed into one [N+1, 6+C] table (means2d, conics, opacity, colours; row N is the
-    zero padding entry) so that each chunk needs one gather and one scatter.
+    zero padding entry) so that each segment needs one gather and one scatter.
     """
 
     @staticmethod
-    def forward(ctx, means2d, conics, colors, opacities, plan, absgrad_owner):  # type: ignore[override]
+    def forward(ctx, means2d, conics, colors, opacities, plan, absgrad_owner, segment, keep):  # type: ignore[override]
         table = torch.cat([means2d, conics, opacities[:, None], colors], 1)
         table = torch.cat([table, table.new_zeros(1, table.shape[1])], 0)
         n_cells = plan.cells_x * plan.cells_y
         pix = plan.cell**2
         rgb_all = means2d.new_zeros(n_cells, pix, colors.shape[1])
         t_all = means2d.new_ones(n_cells, pix)
-        # keep the intermediates of the first chunks, up to the budget
-        budget = SAVE_BYTES // (4 * table.element_size()) if any(ctx.needs_input_grad[:4]) else 0
-        sizes = [ids.numel() * pix for _, ids in plan.chunks]
-        n_keep = 0
-        while n_keep < len(sizes) and sum(sizes[: n_keep + 1]) <= budget:
-            n_keep += 1
-        arena = _take_arena(4 * sum(sizes[:n_keep]), table.dtype, table.device) if n_keep else None
-        saved: list[dict[str, Any] | None] = []
-        offset = 0
-        for i, (cells, ids) in enumerate(plan.chunks):
+        # intermediates kept for the backward: up to SAVE_BYTES, carved from a reused CPU arena
+        budget = SAVE_BYTES // table.element_size() if keep else 0
+        on_cpu = table.device.type == "cpu"
+        arena = _take_arena(table.dtype, table.device) if budget and on_cpu else None
+        used = 0
+        steps: list[tuple[int, Tensor, int, Tensor, dict[str, Any] | None]] = []
+        for ci, (cells, ids, counts) in enumerate(plan.chunks):
             px, py = _pixel_centres(cells, plan, means2d.dtype)
-            g = table.index_select(0, ids.view(-1)).view(*ids.shape, -1)
-            bufs = None
-            if arena is not None and i < n_keep:
-                bufs = arena[offset : offset + 4 * sizes[i]].view(4, -1)
-                offset += 4 * sizes[i]
-            out = _chunk_fast(g[..., 0:2], g[..., 2:5], g[..., 5], g[..., 6:], px, py, bufs)
-            rgb_all.index_copy_(0, cells, out["rgb"])
-            t_all.index_copy_(0, cells, out["T"])
-            saved.append(out if bufs is not None else None)
-        ctx.save_for_backward(table)
-        ctx.plan = plan
-        ctx.saved = saved
-        ctx.arena = arena
+            rgb = means2d.new_zeros(len(cells), pix, colors.shape[1])
+            t_run = means2d.new_ones(len(cells), pix)
+            t_fin = means2d.new_ones(len(cells), pix)
+            act = torch.arange(len(cells), device=ids.device)
+            for k0 in range(0, ids.shape[1], segment):
+                t_in = t_run.index_select(0, act)
+                # cells leave once every pixel stopped or their lists ran out
+                alive = (counts.index_select(0, act) > k0) & (t_in > 0).any(-1)
+                if not bool(alive.all()):
+                    act, t_in = act[alive], t_in[alive]
+                if act.numel() == 0:
+                    break
+                seg = ids[:, k0 : k0 + segment].index_select(0, act)
+                g = table.index_select(0, seg.view(-1)).view(*seg.shape, -1)
+                size = _segment_numel(len(act), pix, seg.shape[1])
+                bufs = None
+                if used + size <= budget:
+                    bufs = arena[used : used + size] if arena is not None else table.new_empty(size)
+                    used += size
+                pxa, pya = px.index_select(0, act), py.index_select(0, act)
+                f = _segment_fast(g[..., 0:2], g[..., 2:5], g[..., 5], g[..., 6:], pxa, pya, t_in, bufs)
+                rgb.index_add_(0, act, f["rgb"])
+                t_run.index_copy_(0, act, f["t_out"])
+                t_fin.index_copy_(0, act, torch.minimum(t_fin.index_select(0, act), f["t_last"]))
+                steps.append((ci, act, k0, t_in, f if bufs is not None else None))
+            rgb_all.index_copy_(0, cells, rgb)
+            t_all.index_copy_(0, cells, t_fin)
+        ctx.save_for_backward(table, t_all)
+        ctx.plan, ctx.steps, ctx.segment = plan, steps, segment
+        ctx.arena, ctx.steps_fresh = arena, True
         ctx.absgrad_owner = absgrad_owner
         return rgb_all, t_all
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_rgb_all, g_t_all):  # type: ignore[override]
-        (table,) = ctx.saved_tensors
+        table, t_all = ctx.saved_tensors
         plan: _Plan = ctx.plan
         n, s = plan.n, plan.cell
         owner = ctx.absgrad_owner
-        # a second backward (retain_graph) recomputes: the arena went back to the pool
-        saved = ctx.saved or [None] * len(plan.chunks)
         # gradient table: means2d 0:2, conics 2:5, opacity 5, colours 6:6+C, absgrad after that
         grads = table.new_zeros(table.shape[0], table.shape[1] + (2 if owner is not None else 0))
         n_col = table.shape[1] - 6
         tiny = torch.finfo(table.dtype).tiny
-        for (cells, ids), f in zip(plan.chunks, saved, strict=True):
-            tc, k = ids.shape
-            g = table.index_select(0, ids.view(-1)).view(*ids.shape, -1)
+        # a second backward (retain_graph) recomputes: the arena went back to the pool
+        reuse = ctx.steps_fresh
+        ctx.steps_fresh = False
+        chunk_state: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        for ci, act, k0, t_in, f in reversed(ctx.steps):
+            cells, ids, _ = plan.chunks[ci]
+            if ci not in chunk_state:
+                g_rgb_c = g_rgb_all.index_select(0, cells)  # [Tc,P,C]
+                # light reaching each pixel from behind the current segment: starts as T_final g_T
+                behind = t_all.index_select(0, cells) * g_t_all.index_select(0, cells)
+                chunk_state[ci] = (g_rgb_c, behind, *_pixel_centres(cells, plan, table.dtype))
+            g_rgb_c, behind, px, py = chunk_state[ci]
+            seg = ids[:, k0 : k0 + ctx.segment].index_select(0, act)
+            tc, k = seg.shape
+            g = table.index_select(0, seg.reshape(-1)).view(tc, k, -1)
             conic, opac, col = g[..., 2:5], g[..., 5], g[..., 6:]
-            if f is None:
-                px, py = _pixel_centres(cells, plan, table.dtype)
-                f = _chunk_fast(g[..., 0:2], conic, opac, col, px, py)
-            g_rgb = g_rgb_all.index_select(0, cells)  # [Tc,P,C]
-            g_t = g_t_all.index_select(0, cells)  # [Tc,P]
+            if f is None or not reuse:
+                pxa, pya = px.index_select(0, act), py.index_select(0, act)
+                f = _segment_fast(g[..., 0:2], conic, opac, col, pxa, pya, t_in)
+            g_rgb = g_rgb_c.index_select(0, act)
             w, raw = f["w"], f["raw"]
             out = grads.new_empty(tc, k, grads.shape[1])
             out[..., 6 : 6 + n_col] = w.transpose(1, 2) @ g_rgb
 
             # d/d alpha_k of sum_j w_j sc_j + T_final g_T, with w_j = alpha_j T_j and T_j (j > k),
             # T_final holding (1 - alpha_k):  T_k sc_k - (sum_{j>k} w_j sc_j + T_final g_T) / (1 - alpha_k)
-            sc = g_rgb @ col.transpose(1, 2)  # [Tc,P,K] colour . dL/drgb
+            sc = g_rgb @ col.transpose(1, 2)  # [Tc,P,B] colour . dL/drgb
             ws = w * sc
-            rest = torch.sub((ws.sum(-1) + f["T"] * g_t)[..., None], ws.cumsum_(-1))
+            ws_tot = ws.sum(-1)
+            rest = torch.sub((behind.index_select(0, act) + ws_tot)[..., None], ws.cumsum_(-1))
+            behind.index_add_(0, act, ws_tot)
             h = rest.addcmul_(f["t_run"], sc, value=-1).div_(f["om"])  # = -dL/dalpha
             # gradient reaches raw = o exp(-sigma) only where alpha was composited (w > 0; this
             # covers the 1/255 skip and the stop rule) and not capped at 0.99
             live = torch.sign(w)
             if f["capped"]:
                 live.mul_(torch.sub(raw, ALPHA_MAX).relu_().sign_().neg_().add_(1.0))
-            g_sig = h.mul_(live).mul_(raw).view(tc, s, s, k)  # dL/dsigma, [Tc,y,x,K]
+            g_sig = h.mul_(live).mul_(raw).view(tc, s, s, k)  # dL/dsigma, [Tc,y,x,B]
 
-            dx, dy = f["dx"], f["dy"]  # [Tc,x,K], [Tc,y,K]
+            dx, dy = f["dx"], f["dy"]  # [Tc,x,B], [Tc,y,B]
             a, b, c = conic[..., 0], conic[..., 1], conic[..., 2]
-            r_x = g_sig.sum(1)  # over rows    -> [Tc,x,K]
-            r_y = g_sig.sum(2)  # over columns -> [Tc,y,K]
-            q_x = (g_sig * dy[:, :, None]).sum(1)  # over rows, weighted by dy -> [Tc,x,K]
+            r_x = g_sig.sum(1)  # over rows    -> [Tc,x,B]
+            r_y = g_sig.sum(2)  # over columns -> [Tc,y,B]
+            q_x = (g_sig * dy[:, :, None]).sum(1)  # over rows, weighted by dy -> [Tc,x,B]
             dx_r = (dx * r_x).sum(1)
             # sigma = a dx^2 / 2 + b dx dy + c dy^2 / 2 and dL/draw = -dL/dsigma / raw
             out[..., 0] = a * dx_r + b * q_x.sum(1)
@@ -462,14 +513,14 @@ class _RasterizeFn(torch.autograd.Function):
                 ax = (g_sig * ((a1 * dx)[:, None] + (b1 * dy)[:, :, None])).abs_().sum((1, 2))
                 ay = (g_sig * ((c1 * dy)[:, :, None] + (b1 * dx)[:, None])).abs_().sum((1, 2))
                 out[..., -2], out[..., -1] = ax, ay
-            grads.index_add_(0, ids.reshape(-1), out.view(tc * k, -1))
-        if ctx.saved is not None and ctx.arena is not None:
+            grads.index_add_(0, seg.reshape(-1), out.view(tc * k, -1))
+        if ctx.arena is not None:
             _give_arena(ctx.arena)
-        ctx.saved = ctx.arena = None
+            ctx.arena = None
 
         if owner is not None:
             owner.absgrad = grads[:n, -2:].reshape(owner.shape).contiguous()
-        return grads[:n, 0:2], grads[:n, 2:5], grads[:n, 6 : 6 + n_col], grads[:n, 5], None, None
+        return grads[:n, 0:2], grads[:n, 2:5], grads[:n, 6 : 6 + n_col], grads[:n, 5], None, None, None, None
 
 
 def _composite_autograd(
@@ -480,7 +531,7 @@ def _composite_autograd(
     ext = [torch.cat([t, t.new_zeros((1,) + t.shape[1:])], 0) for t in (means2d, conics, opacities, colors)]
     rgb_all = means2d.new_zeros(n_cells, plan.cell**2, colors.shape[1])
     t_all = means2d.new_ones(n_cells, plan.cell**2)
-    for cells, ids in plan.chunks:
+    for cells, ids, _ in plan.chunks:
         px, py = _pixel_centres(cells, plan, means2d.dtype)
         rgb, t_final = _chunk_autograd(*(e[ids] for e in ext), px, py)
         rgb_all = rgb_all.index_copy(0, cells, rgb)
@@ -503,6 +554,7 @@ def _rasterize(
     use_autograd: bool = False,
     cell: int = CELL,
     chunk_elems: int = CHUNK_ELEMS,
+    segment: int = SEGMENT,
 ) -> tuple[Tensor, Tensor]:
     n = means2d.shape[0]
     if colors.dim() != 2 or colors.shape[0] != n or colors.shape[1] < 1:
@@ -521,13 +573,15 @@ def _rasterize(
     if tile_size % cell:
         cell = tile_size
 
-    plan = _plan_cells(means2d, conics, opacities, radii, depths, width, height, tile_size, cell, chunk_elems)
+    plan = _plan_cells(means2d, conics, opacities, radii, depths, width, height, tile_size, cell, chunk_elems, segment)
     if use_autograd:
         if absgrad_owner is not None:
             raise ValueError("absgrad needs the default (hand-written) backward")
         rgb, t_final = _composite_autograd(means2d, conics, colors, opacities, plan)
     else:
-        rgb, t_final = _RasterizeFn.apply(means2d, conics, colors, opacities, plan, absgrad_owner)
+        # keep intermediates only when a backward can follow (not under no_grad, e.g. evaluation)
+        keep = torch.is_grad_enabled() and any(t.requires_grad for t in (means2d, conics, colors, opacities))
+        rgb, t_final = _RasterizeFn.apply(means2d, conics, colors, opacities, plan, absgrad_owner, segment, keep)
 
     # cells [cy * cx, s * s] -> image rows/cols, cropped to the requested size
     s, nc, gx, gy = cell, colors.shape[1], plan.cells_x, plan.cells_y
@@ -569,6 +623,10 @@ def camera_centre(viewmat: Tensor) -> Tensor:
     return -viewmat[:3, :3].T @ viewmat[:3, 3]
 
 
+def _phase(timer: Any, name: str) -> contextlib.AbstractContextManager:
+    return timer.phase(name) if timer is not None else contextlib.nullcontext()
+
+
 def render_reference(
     params: Mapping[str, Tensor],
     viewmat: Tensor,
@@ -578,6 +636,7 @@ def render_reference(
     sh_degree: int,
     background: Tensor | None = None,
     absgrad: bool = False,
+    timer: Any = None,
 ) -> tuple[Tensor, Tensor, dict]:
     """Render one view of the Gaussians in params (CONVENTIONS.md names and activations).
 
@@ -585,23 +644,30 @@ def render_reference(
     means2d [1,N,2] (the tensor that feeds rasterization: retain_grad() on it works, and
     .absgrad is set after backward when absgrad=True), radii [1,N,2] int32, depths [1,N],
     conics [1,N,3], width, height, n_cameras=1, gaussian_ids=None (not packed).
+    timer: an optional gstrain.train.timing.PhaseTimer; it gets the projection / raster_fwd /
+    raster_bwd split, as on the CUDA path.
     """
     means = params["means"]
     viewmat = viewmat.to(means)
     K = K.to(means)
-    nb = num_sh_bases(sh_degree)
-    sh = params["sh0"]
-    if nb > 1:
-        sh = torch.cat([sh, params["shN"][:, : nb - 1]], dim=1)
-
-    proj = project_gaussians(means, params["quats"], torch.exp(params["scales"]), viewmat, K, width, height)
-    colors = sh_to_color(sh, means - camera_centre(viewmat), sh_degree)
-    opacities = torch.sigmoid(params["opacities"])
-    means2d = proj.means2d[None]
-    image, alpha = _rasterize(
-        means2d[0], proj.conics, colors, opacities, proj.radii, proj.depths, width, height, background,
-        absgrad_owner=means2d if absgrad else None,
-    )  # fmt: skip
+    with _phase(timer, "projection"):
+        nb = num_sh_bases(sh_degree)
+        sh = params["sh0"]
+        if nb > 1:
+            sh = torch.cat([sh, params["shN"][:, : nb - 1]], dim=1)
+        proj = project_gaussians(means, params["quats"], torch.exp(params["scales"]), viewmat, K, width, height)
+        colors = sh_to_color(sh, means - camera_centre(viewmat), sh_degree)
+        opacities = torch.sigmoid(params["opacities"])
+        means2d = proj.means2d[None]
+    with _phase(timer, "raster_fwd"):
+        span = timer.backward_span("raster_bwd") if timer is not None else None
+        conics = span.input(proj.conics) if span is not None else proj.conics
+        image, alpha = _rasterize(
+            means2d[0], conics, colors, opacities, proj.radii, proj.depths, width, height, background,
+            absgrad_owner=means2d if absgrad else None,
+        )  # fmt: skip
+        if span is not None:
+            image = span.output(image)
     info = {
         "means2d": means2d,
         "radii": proj.radii[None],

@@ -258,7 +258,7 @@ class Trainer:
             height, width = gt.shape[:2]
         with timer.phase("forward"):
             image, _, info = self.renderer(
-                self.params, viewmat, K, width, height, self.active_sh_degree(), self.background
+                self.params, viewmat, K, width, height, self.active_sh_degree(), self.background, timer=timer
             )
         self.densifier.pre_backward(self.params, self.optimizers, step, info)
         with timer.phase("loss"):
