@@ -76,6 +76,11 @@ class PhaseTimer:
     def step_done(self) -> None:
         self._steps += 1
 
+    @property
+    def pending_steps(self) -> int:
+        """Steps recorded since the last summary()."""
+        return self._steps
+
     def summary(self) -> dict[str, float]:
         """Mean ms per step for each phase since the last call (one sync on the GPU), then reset."""
         if self.cuda and self._pending:

@@ -149,6 +149,8 @@ class Trainer:
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
+        self.phase_ms_sum: dict[str, float] = {}  # over logged windows, for the run summary
+        self.phase_steps = 0
         self.writer = None
 
     # ----------------------------------------------------------------- setup
@@ -370,8 +372,11 @@ class Trainer:
         tb.add_scalar("train/num_gaussians", len(self.params["means"]), step)
         for name, lr in current_lrs(self.optimizers).items():
             tb.add_scalar(f"lr/{name}", lr, step)
+        window = self.timer.pending_steps
         for phase, ms in self.timer.summary().items():
             tb.add_scalar(f"time_ms/{phase}", ms, step)
+            self.phase_ms_sum[phase] = self.phase_ms_sum.get(phase, 0.0) + ms * window
+        self.phase_steps += window
         threshold = self.renderer.atomic_threshold
         if threshold is not None:
             tb.add_scalar("render/atomic_threshold", threshold, step)
@@ -398,5 +403,11 @@ class Trainer:
             "atomic_mode": self.cfg.render.atomic_mode if self.renderer.backend == "cuda" else None,
             "atomic_threshold": self.renderer.atomic_threshold,
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "phase_ms_per_step": {
+                k: round(v / self.phase_steps, 4) for k, v in self.phase_ms_sum.items()
+            } if self.phase_steps else None,
+            "peak_gpu_memory_gib": (
+                round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3) if self.device.type == "cuda" else None
+            ),
         }
         (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))

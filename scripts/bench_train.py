@@ -1,0 +1,86 @@
+"""End-to-end training benchmark: the same `gstrain fit` with gsplat's rasterizer (the baseline a
+gsplat user runs: gsplat projection + rasterization, conv SSIM, fused Adam, DefaultStrategy) and
+with ours, on one scene, several seeds. Prints a markdown table; writes bench_train.json.
+
+    python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0,1,2 --modes gsplat,arc [--out DIR]
+
+Float atomics make runs diverge (densification differs), hence several seeds and medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
+    run_dir = out / f"{mode}_seed{seed}"
+    cmd = [sys.executable, "-m", "gstrain", "fit", str(scene), "--out", str(run_dir), "--steps", str(steps),
+           "--seed", str(seed), "--atomic-mode", mode, "--device", "cuda", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2))
+    return summary
+
+
+def median_spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scene", type=Path)
+    ap.add_argument("--steps", type=int, default=7000)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--modes", default="gsplat,arc")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "bench_train")
+    ap.add_argument("--extra", default="", help="extra flags for gstrain fit, space-separated")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    rows = []
+    for seed in seeds:
+        for mode in modes:  # interleaved, so drift of the machine hits every mode alike
+            rows.append(run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split()))
+            r = rows[-1]
+            print(f"{mode} seed {seed}: {r['seconds']:.1f}s train loop, PSNR {r['final_test_psnr']:.2f}, "
+                  f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
+    (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
+    print(f"\n| mode | train loop s | test PSNR | test SSIM | Gaussians | peak GiB |\n|---|---|---|---|---|---|")
+    medians = {}
+    for mode in modes:
+        rs = [r for r in rows if r["mode"] == mode]
+        medians[mode] = statistics.median(r["seconds"] for r in rs)
+        print(f"| {mode} | {median_spread([r['seconds'] for r in rs])} | "
+              f"{median_spread([r['final_test_psnr'] for r in rs])} | "
+              f"{median_spread([r['final_test_ssim'] for r in rs])} | "
+              f"{median_spread([float(r['num_gaussians']) for r in rs])} | "
+              f"{median_spread([r['peak_gpu_memory_gib'] for r in rs])} |")
+    if "gsplat" in medians:
+        for mode in modes:
+            print(f"{mode}: {medians['gsplat'] / medians[mode]:.3f}x the gsplat baseline's speed (median loop time)")
+    print("\nper-phase ms per step (median over seeds):")
+    phases = sorted({k for r in rows for k in (r.get("phase_ms_per_step") or {})})
+    print("| phase | " + " | ".join(modes) + " |\n|---" * 1 + "|---" * len(modes) + "|")
+    for ph in phases:
+        cells = []
+        for mode in modes:
+            vals = [r["phase_ms_per_step"][ph] for r in rows if r["mode"] == mode and r.get("phase_ms_per_step")]
+            cells.append(f"{statistics.median(vals):.3f}" if vals else "-")
+        print(f"| {ph} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
