@@ -60,6 +60,7 @@ class TrainConfig:
     sh_degree_interval: int = 1000  # raise the active SH degree every N steps
     seed: int = 42
     device: str = "auto"  # auto | cpu | cuda
+    fused_ssim: bool = True  # the fused CUDA SSIM kernels on a GPU (the convolutions on the CPU either way)
 
 
 @dataclass

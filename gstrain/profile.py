@@ -113,6 +113,7 @@ def _npz_workload(path: Path, cfg: Config, device: torch.device, scale: int) -> 
 def profile_mode(work: Workload, cfg: Config, mode: str, iters: int, warmup: int) -> dict[str, list[float]]:
     """Per-iteration phase times (ms) of `iters` training steps in one rasterizer mode."""
     from gstrain.render import Renderer
+    from gstrain.train.fused_ssim import install_ssim_impl
     from gstrain.train.losses import photometric_loss
     from gstrain.train.optim import build_optimizers
     from gstrain.train.strategy import Densifier
@@ -127,6 +128,7 @@ def profile_mode(work: Workload, cfg: Config, mode: str, iters: int, warmup: int
     optimizers = build_optimizers(params, mode_cfg.optim, work.extent)
     densifier = Densifier(mode_cfg.strategy, work.extent, device)
     renderer = Renderer(mode_cfg.render, device)
+    install_ssim_impl(device, mode_cfg.train.fused_ssim)  # the loss every mode trains with
     timer = PhaseTimer(device)
     background = torch.zeros(3, device=device)
     samples: dict[str, list[float]] = {}

@@ -29,7 +29,14 @@ for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool" | log "sanitizer_$tool.log"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 3 \
         python3 scripts/sanitize_case.py 2>&1 | log "sanitizer_$tool.log" || status=1
+    # the fused SSIM kernels: tile edges, batches, 1 and 4 channels
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        python3 scripts/bench_ssim.py --sanitize-case 2>&1 | log "sanitizer_$tool.log" || status=1
 done
+
+# Conv vs fused SSIM timing (a few seconds; the extension is already built by the tests above).
+echo "== bench_ssim" | log bench_ssim.log
+python3 scripts/bench_ssim.py 2>&1 | log bench_ssim.log || status=1
 
 if [ "$status" -eq 0 ]; then echo "gpu_tests: all passed"; else echo "gpu_tests: FAILED"; fi
 exit "$status"

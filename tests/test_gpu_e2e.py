@@ -78,3 +78,13 @@ def test_profile_command_on_demo(demo_scene, tmp_path):
     for mode, med in report["median_ms"].items():
         assert med["raster_bwd"] > 0 and med["total"] >= med["raster_bwd"], mode
     assert "speedup vs gsplat" in proc.stdout
+
+
+def test_render_on_cuda_png_frames(demo_scene, tmp_path):
+    run = tmp_path / "run"
+    assert run_cli("fit", demo_scene, "--out", run, "--steps", "30", "--device", "cuda").returncode == 0
+    for what in ("rgb", "depth"):
+        out = tmp_path / what
+        proc = run_cli("render", run, "--path", "orbit", "--frames", "4", "--what", what, "--out", out)
+        assert proc.returncode == 0, proc.stderr
+        assert len(list(out.glob("*.png"))) == 4

@@ -10,11 +10,6 @@ backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen 
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import sys
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gstrain.cuda_build import check_toolchain, gencode_flags, load_extension
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
 
@@ -35,94 +31,24 @@ MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu")
 _HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh")
+_SOURCE_PATHS = tuple(_CSRC / f for f in _SOURCES)
+_HEADER_PATHS = tuple(_CSRC / f for f in _HEADERS)
 
 # sm_90 float4/float2 atomics on a padded gradient layout (the candidate beyond DISTWAR): 3
 # atomic instructions instead of 9 per flush; measured faster in every mode on an H200
 # (docs/benchmarks.md), so the default unless a call says otherwise.
 VECTOR_ATOMICS_DEFAULT = True
 
-_ext: ModuleType | None = None
-_ext_lock = threading.Lock()
+# The build helpers under their former names (gstrain.cuda_build holds them now).
+_gencode_flags = gencode_flags
+_check_toolchain = check_toolchain
+
 _default_tuner: ArcTuner | None = None
-
-
-def _arch_list() -> list[str]:
-    """TORCH_CUDA_ARCH_LIST if set, else this GPU's capability plus 9.0 (the H100/H200)."""
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split()
-    if env:
-        return env
-    major, minor = torch.cuda.get_device_capability()
-    return list(dict.fromkeys([f"{major}.{minor}", "9.0"]))
-
-
-def _gencode_flags(arches: list[str]) -> list[str]:
-    flags = []
-    for arch in arches:
-        ptx = arch.endswith("+PTX")
-        num = arch.removesuffix("+PTX").replace(".", "")
-        if not num.isalnum():
-            raise UserError(f"TORCH_CUDA_ARCH_LIST has an entry gstrain cannot read: {arch!r}")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        if ptx:
-            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-    return flags
-
-
-def _check_toolchain() -> None:
-    if torch.version.cuda is None:
-        raise UserError(
-            "the CUDA backend needs a CUDA build of PyTorch; this one is CPU-only "
-            "(use render.backend=reference, or install PyTorch with CUDA)"
-        )
-    if not torch.cuda.is_available():
-        raise UserError("the CUDA backend needs a CUDA GPU, and PyTorch sees none")
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    nvcc = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
-    if not (nvcc is not None and nvcc.is_file()) and shutil.which("nvcc") is None:
-        raise UserError(
-            "the CUDA backend compiles its kernels on first use and needs the CUDA toolkit's nvcc; "
-            "none was found (set CUDA_HOME or put nvcc on PATH)"
-        )
 
 
 def ensure_built() -> ModuleType:
     """Build (first run only) and load the extension; UserError when this machine cannot."""
-    global _ext
-    if _ext is not None:
-        return _ext
-    with _ext_lock:
-        if _ext is not None:
-            return _ext
-        _check_toolchain()
-        from torch.utils.cpp_extension import load
-
-        cuda_flags = ["-O3", "-lineinfo", *_gencode_flags(_arch_list())]
-        cflags = ["-O3"]  # the C++ standard is left to torch (it must match its headers)
-        # the name carries a hash of everything that shapes the binary, so a cached build is
-        # reused exactly when it matches and "compiling" is printed exactly when it does not
-        h = hashlib.sha256()
-        for f in _SOURCES + _HEADERS:
-            h.update((_CSRC / f).read_bytes())
-        h.update(" ".join(cuda_flags + cflags).encode())
-        h.update(f"{torch.__version__} {torch.version.cuda} {sys.version_info[:2]}".encode())
-        name = f"gstrain_raster_{h.hexdigest()[:12]}"
-        root = os.environ.get("TORCH_EXTENSIONS_DIR")
-        base = Path(root) if root else Path.home() / ".cache" / "gstrain" / "extensions"
-        build_dir = base / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not (build_dir / f"{name}.so").exists():
-            print("gstrain: compiling CUDA kernels (first run only)...", file=sys.stderr, flush=True)
-        _ext = load(
-            name=name,
-            sources=[str(_CSRC / f) for f in _SOURCES],
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_flags,
-            extra_include_paths=[str(_CSRC)],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-        return _ext
+    return load_extension("gstrain_raster", _SOURCE_PATHS, _HEADER_PATHS)
 
 
 def default_tuner() -> ArcTuner:

@@ -1,0 +1,57 @@
+// Host-visible interface of the fused SSIM kernels (3DGS SSIM: 11x11 Gaussian window, sigma 1.5,
+// zero padding, same-size output). Free of torch headers, like render/csrc/raster.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace gstrain {
+
+constexpr int kSsimWindow = 11;
+constexpr int kSsimRadius = kSsimWindow / 2;
+constexpr float kSsimSigma = 1.5f;
+
+// Normalised 1-D Gaussian taps, passed by value so they sit in the kernel's constant bank.
+struct SsimTaps {
+    float w[kSsimWindow];
+};
+
+// Images are [batch, height, width, channels] float32, contiguous (HWC, as the trainer has them).
+struct SsimDims {
+    int batch;
+    int height;
+    int width;
+    int channels;
+};
+
+// Number of per-block partial sums the forward writes (the length of `block_sums`).
+int ssim_fwd_num_blocks(const SsimDims &d);
+
+// Forward: SSIM map summed per block into `block_sums`, then reduced to the mean (`mean`, one
+// float). With `partials` (else nullptr) also the per-pixel dSSIM/dmu1, dSSIM/dsigma1^2 and
+// dSSIM/dsigma12, planar [batch, channels, 3, height, width], which the backward filters.
+cudaError_t launch_ssim_fwd(
+    const SsimDims &d,
+    const SsimTaps &taps,
+    const float *img,
+    const float *gt,
+    float *block_sums,
+    float *mean,
+    float *partials,
+    cudaStream_t stream
+);
+
+// Backward: grad_img = grad_out[0] * scale * (G*dm + 2 img G*ds + gt G*dc), G the same window.
+// grad_out is a device pointer, so the upstream gradient is never read on the host.
+cudaError_t launch_ssim_bwd(
+    const SsimDims &d,
+    const SsimTaps &taps,
+    const float *img,
+    const float *gt,
+    const float *partials,
+    const float *grad_out,
+    float scale,
+    float *grad_img,
+    cudaStream_t stream
+);
+
+} // namespace gstrain

@@ -1,0 +1,223 @@
+"""The fused SSIM kernels against ssim_conv in float64, and how the trainer picks an SSIM.
+
+GPU tests (marked `cuda`) check the value and the gradient on random and structured images of
+awkward sizes, identical images, that gt gets no gradient, and photometric_loss through the
+hook. The CPU tests check the selection logic and the fallbacks without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from gstrain.config import build_config
+from gstrain.data.colmap import load_scene
+from gstrain.train import fused_ssim as fused_mod
+from gstrain.train import trainer as trainer_mod
+from gstrain.train.fused_ssim import fused_ssim, install_ssim_impl, ssim_impl_for
+from gstrain.train.losses import get_ssim_impl, photometric_loss, set_ssim_impl, ssim_conv
+from gstrain.train.trainer import Trainer
+
+VALUE_TOL = 1e-5  # relative error of the mean SSIM
+GRAD_TOL = 1e-4  # relative L2 error of dSSIM/dimg
+
+SIZES = [(1, 1), (7, 9), (64, 64), (100, 37), (720, 1280)]
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.isfinite(a).all(), "non-finite values"
+    return (a - b).norm().item() / max(b.norm().item(), 1e-30)
+
+
+def random_pair(h: int, w: int, c: int = 3, batch: int | None = None, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A render and a noisy version of it (independent images would give SSIM near 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (h, w, c) if batch is None else (batch, h, w, c)
+    img = torch.rand(shape, generator=gen)
+    gt = (img + 0.1 * torch.randn(shape, generator=gen)).clamp(0, 1)
+    return img, gt
+
+
+def structured_pair(h: int, w: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Smooth shading, a hard-edged disc and a flat background; gt is shifted by a pixel, noisy
+    and 8-bit quantised, as a photo against a render."""
+    gen = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
+    base = torch.stack([0.5 + 0.4 * torch.sin(6 * xx + 3 * yy), xx * yy, 0.3 + 0.2 * torch.cos(9 * yy)], -1)
+    disc = ((xx - 0.5) ** 2 + (yy - 0.5) ** 2 < 0.08).float()[..., None]
+    img = base * (1 - disc) + disc * torch.tensor([0.9, 0.2, 0.1])
+    img[: h // 5] = 0.0
+    gt = (img.roll(1, dims=1) + 0.02 * torch.randn(h, w, 3, generator=gen)).clamp(0, 1)
+    return img, torch.round(gt * 255) / 255
+
+
+def reference(img: Tensor, gt: Tensor, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """ssim_conv in float64 (on the images' device): value and d(scale * SSIM)/dimg."""
+    x = img.detach().double().requires_grad_(True)
+    value = ssim_conv(x, gt.double())
+    (scale * value).backward()
+    assert x.grad is not None
+    return value.detach(), x.grad
+
+
+def fused_value_grad(img: Tensor, gt: Tensor, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    x = img.detach().clone().requires_grad_(True)
+    value = fused_ssim(x, gt)
+    (scale * value).backward()
+    assert x.grad is not None
+    return value.detach(), x.grad
+
+
+def check_against_reference(img: Tensor, gt: Tensor, scale: float = 1.0) -> None:
+    img, gt = img.cuda(), gt.cuda()
+    want_v, want_g = reference(img, gt, scale)
+    got_v, got_g = fused_value_grad(img, gt, scale)
+    assert got_v.dim() == 0 and got_v.dtype == torch.float32
+    assert got_g.shape == img.shape and got_g.dtype == torch.float32
+    v_err = abs(got_v.item() - want_v.item()) / abs(want_v.item())
+    assert v_err < VALUE_TOL, f"value {got_v.item()} vs {want_v.item()}: relative error {v_err:.3g}"
+    g_err = rel_err(got_g, want_g)
+    assert g_err < GRAD_TOL, f"gradient: relative error {g_err:.3g}"
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+class TestFusedSsimCuda:
+    @pytest.mark.parametrize("size", SIZES, ids=[f"{h}x{w}" for h, w in SIZES])
+    def test_random_matches_reference(self, size):
+        check_against_reference(*random_pair(*size))
+
+    @pytest.mark.parametrize("size", SIZES, ids=[f"{h}x{w}" for h, w in SIZES])
+    def test_structured_matches_reference(self, size):
+        check_against_reference(*structured_pair(*size))
+
+    def test_batch_other_channel_counts_and_upstream_gradient(self):
+        check_against_reference(*random_pair(30, 50, c=1, batch=2, seed=1))
+        check_against_reference(*random_pair(20, 45, c=4, seed=2), scale=-2.5)
+        check_against_reference(*random_pair(17, 33, c=3, batch=3, seed=3), scale=0.2)
+
+    def test_identical_images_give_one_and_zero_gradient(self):
+        img, _ = random_pair(37, 45, seed=4)
+        img = img.cuda()
+        x = img.clone().requires_grad_(True)
+        value = fused_ssim(x, img.clone())
+        value.backward()
+        assert abs(value.item() - 1.0) < 1e-6
+        assert x.grad is not None
+        # zero up to float32 rounding of terms of size ~1/C2, relative to the 1/N of a mean
+        assert x.grad.abs().max().item() * img.numel() < 1e-3
+
+    def test_gt_gets_no_gradient(self):
+        img, gt = (t.cuda() for t in random_pair(24, 40, seed=5))
+        x = img.clone().requires_grad_(True)
+        y = gt.clone().requires_grad_(True)
+        fused_ssim(x, y).backward()
+        assert x.grad is not None and y.grad is None
+
+    def test_without_grad_and_non_contiguous(self):
+        img, gt = (t.cuda() for t in random_pair(40, 24, seed=6))
+        want = reference(img, gt)[0].item()
+        with torch.no_grad():
+            assert abs(fused_ssim(img, gt).item() - want) / want < VALUE_TOL
+        # a [W,H,C] transpose is a non-contiguous view; transposing both keeps SSIM's value
+        xt, yt = img.transpose(0, 1), gt.transpose(0, 1)
+        assert not xt.is_contiguous()
+        check_against_reference(xt, yt)
+
+    def test_photometric_loss_with_fused_matches_conv(self):
+        img, gt = (t.cuda() for t in structured_pair(120, 90, seed=7))
+        results = []
+        # cuDNN may run float32 convolutions in TF32 (PyTorch's default): compare with full float32
+        allow_tf32 = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            for impl in (ssim_conv, fused_ssim):
+                set_ssim_impl(impl)
+                x = img.clone().requires_grad_(True)
+                loss, terms = photometric_loss(x, gt, ssim_lambda=0.2)
+                loss.backward()
+                results.append((loss.detach(), terms["ssim"], x.grad))
+        finally:
+            torch.backends.cudnn.allow_tf32 = allow_tf32
+            set_ssim_impl(None)
+        (conv_loss, conv_ssim, conv_grad), (fused_loss, fused_s, fused_grad) = results
+        assert abs(fused_loss.item() - conv_loss.item()) / conv_loss.item() < VALUE_TOL
+        assert abs(fused_s.item() - conv_ssim.item()) / conv_ssim.item() < VALUE_TOL
+        assert rel_err(fused_grad, conv_grad) < GRAD_TOL
+
+    def test_trainer_installs_fused_on_cuda_unless_disabled(self, demo_scene, tmp_path):
+        scene = load_scene(demo_scene)
+        try:
+            for enabled, want in ((True, fused_ssim), (False, ssim_conv), (True, fused_ssim)):
+                cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
+                Trainer(cfg, scene, tmp_path / f"run_{enabled}", torch.device("cuda"), log=lambda m: None)
+                assert get_ssim_impl() is want
+        finally:
+            set_ssim_impl(None)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_impl_choice_by_device_and_flag():
+    assert ssim_impl_for(torch.device("cuda"), True) is fused_ssim
+    assert ssim_impl_for(torch.device("cuda", 0), True) is fused_ssim
+    assert ssim_impl_for(torch.device("cuda"), False) is ssim_conv
+    assert ssim_impl_for(torch.device("cpu"), True) is ssim_conv
+    assert ssim_impl_for(torch.device("cpu"), False) is ssim_conv
+
+
+def test_install_builds_only_for_the_fused_impl(monkeypatch):
+    builds = []
+    monkeypatch.setattr(fused_mod, "ensure_built", lambda: builds.append(1))
+    try:
+        assert install_ssim_impl(torch.device("cuda"), True) is fused_ssim
+        assert get_ssim_impl() is fused_ssim and builds == [1]
+        assert install_ssim_impl(torch.device("cuda"), False) is ssim_conv
+        assert get_ssim_impl() is ssim_conv and builds == [1]
+    finally:
+        set_ssim_impl(None)
+
+
+def test_trainer_on_cpu_uses_conv_and_passes_the_flag(demo_scene, tmp_path, monkeypatch):
+    scene = load_scene(demo_scene)
+    previous = set_ssim_impl(fused_ssim)  # as a CUDA trainer earlier in this process would leave it
+    try:
+        cfg = build_config(overrides=[{"train": {"steps": 1}}])
+        assert cfg.train.fused_ssim is True
+        Trainer(cfg, scene, tmp_path / "a", torch.device("cpu"), log=lambda m: None)
+        assert get_ssim_impl() is ssim_conv
+
+        calls = []
+        monkeypatch.setattr(trainer_mod, "install_ssim_impl", lambda dev, on: calls.append((dev.type, on)))
+        for enabled in (True, False):
+            cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
+            Trainer(cfg, scene, tmp_path / f"b_{enabled}", torch.device("cpu"), log=lambda m: None)
+        assert calls == [("cpu", True), ("cpu", False)]
+    finally:
+        set_ssim_impl(previous)
+
+
+def test_only_the_3dgs_window_is_supported():
+    img, gt = random_pair(8, 8)
+    with pytest.raises(ValueError, match="window=11"):
+        fused_ssim(img, gt, window=7)
+    with pytest.raises(ValueError, match="sigma=1.5"):
+        fused_ssim(img, gt, 11, 2.0)
+    with pytest.raises(ValueError, match="shapes differ"):
+        fused_ssim(img, gt[:4])
+
+
+def test_cpu_images_fall_back_to_conv():
+    img, gt = random_pair(12, 10)
+    x = img.clone().requires_grad_(True)
+    value = fused_ssim(x, gt)
+    value.backward()
+    want_v, want_g = reference(img, gt)
+    assert abs(value.item() - want_v.item()) < 1e-6
+    assert x.grad is not None and rel_err(x.grad, want_g) < 1e-4
