@@ -59,7 +59,9 @@ def _views_workload(name: str, params, views, extent: float, sh_degree: int, dev
     )
 
 
-def load_workload(target: Path, cfg: Config, device: torch.device, npz_scale: int = 1) -> Workload:
+def load_workload(
+    target: Path, cfg: Config, device: torch.device, npz_scale: int = 1, factor: int | None = None
+) -> Workload:
     """A COLMAP scene (Gaussians from its SfM points), a trained run (its last checkpoint), or a
     test_garden-style .npz (means3d, colors, viewmats, Ks, width, height)."""
     from gstrain.data.colmap import load_scene
@@ -74,10 +76,10 @@ def load_workload(target: Path, cfg: Config, device: torch.device, npz_scale: in
     if is_run_dir(target):
         run_cfg, meta = load_run(target)
         state = require_checkpoint(target)
-        scene = load_scene(Path(meta["scene"]), factor=cfg.data.factor or run_cfg.data.factor)
+        scene = load_scene(Path(meta["scene"]), factor=factor or run_cfg.data.factor)
         degree = min(int(state["step"]) // run_cfg.train.sh_degree_interval, run_cfg.model.sh_degree)
         return _views_workload(target.name, state["params"], scene.train, scene.extent, degree, device)
-    scene = load_scene(target, factor=cfg.data.factor, test_every=cfg.data.test_every)
+    scene = load_scene(target, factor=factor or cfg.data.factor, test_every=cfg.data.test_every)
     if len(scene.points) == 0:
         raise UserError(f"the sparse model in {target} has no 3D points to profile with")
     params = init_gaussians(scene.points, scene.point_colors, sh_degree=cfg.model.sh_degree,
@@ -212,10 +214,9 @@ def run_profile(
             raise UserError(f"--atomic-mode must be one of {', '.join(PROFILE_MODES)} or all; got '{mode}'")
     if iters < 1 or warmup < 0:
         raise UserError("--iters must be >= 1 and --warmup >= 0")
-    overrides = [{"data": {"factor": factor}}] if factor else []
-    cfg = build_config(config_files, overrides)
+    cfg = build_config(config_files)
     device = torch.device("cuda")
-    work = load_workload(target, cfg, device, npz_scale)
+    work = load_workload(target, cfg, device, npz_scale, factor)
     n = int(work.params["means"].shape[0])
     width, height = work.cameras[0][2], work.cameras[0][3]
     log(f"gstrain: profiling {work.name}: {n} Gaussians, {len(work.cameras)} views at {width}x{height}")

@@ -10,7 +10,6 @@ backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +21,7 @@ from torch import Tensor
 from gstrain.cuda_build import check_toolchain, gencode_flags, load_extension
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
+from gstrain.render.common import phase, strategy_info
 
 ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
@@ -323,10 +323,10 @@ def render_cuda(
     With a PhaseTimer, the time splits into projection (gsplat projection, SH, tile
     intersection), raster_fwd, and raster_bwd (the rasterizer's share of backward).
     """
-    with _phase(timer, "projection"):
+    with phase(timer, "projection"):
         splats = project_splats(params, viewmat, K, width, height)
         colors = splat_colors(params, viewmat, sh_degree, splats.radii)
-    with _phase(timer, "raster_fwd"):
+    with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
         conics = span.input(splats.conics) if span is not None else None
         image, alpha = rasterize_splats(
@@ -334,17 +334,7 @@ def render_cuda(
         )
         if span is not None:
             image = span.output(image)
-    info: dict[str, Any] = {  # the reference renderer's keys
-        "means2d": splats.means2d,  # [1, N, 2]: retain_grad() here collects the screen-space gradient
-        "radii": splats.radii,  # [1, N, 2] int32
-        "depths": splats.depths,  # [1, N]
-        "conics": splats.conics,  # [1, N, 3]
-        "width": width,
-        "height": height,
-        "n_cameras": 1,
-        "gaussian_ids": None,  # non-packed
-        "tile_size": TILE_SIZE,
-    }
+    info = strategy_info(splats.means2d, splats.radii, splats.depths, splats.conics, width, height, TILE_SIZE)
     return image[0], alpha[0], info
 
 
@@ -355,7 +345,3 @@ def render_depth_cuda(
     splats = project_splats(params, viewmat, K, width, height)
     acc, alpha = rasterize_splats(splats, splats.depths[..., None], atomic_mode="warp")
     return acc[0], alpha[0]
-
-
-def _phase(timer: Any, name: str):
-    return timer.phase(name) if timer is not None else nullcontext()

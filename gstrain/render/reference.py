@@ -16,7 +16,6 @@ two against each other, against a per-pixel loop and against finite differences.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gstrain.render.common import phase, strategy_info
 from gstrain.render.sh import num_sh_bases, sh_to_color
 
 __all__ = ["Projection", "project_gaussians", "rasterize", "render_reference", "sh_to_color"]
@@ -623,10 +623,6 @@ def camera_centre(viewmat: Tensor) -> Tensor:
     return -viewmat[:3, :3].T @ viewmat[:3, 3]
 
 
-def _phase(timer: Any, name: str) -> contextlib.AbstractContextManager:
-    return timer.phase(name) if timer is not None else contextlib.nullcontext()
-
-
 def render_reference(
     params: Mapping[str, Tensor],
     viewmat: Tensor,
@@ -650,7 +646,7 @@ def render_reference(
     means = params["means"]
     viewmat = viewmat.to(means)
     K = K.to(means)
-    with _phase(timer, "projection"):
+    with phase(timer, "projection"):
         nb = num_sh_bases(sh_degree)
         sh = params["sh0"]
         if nb > 1:
@@ -659,7 +655,7 @@ def render_reference(
         colors = sh_to_color(sh, means - camera_centre(viewmat), sh_degree)
         opacities = torch.sigmoid(params["opacities"])
         means2d = proj.means2d[None]
-    with _phase(timer, "raster_fwd"):
+    with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
         conics = span.input(proj.conics) if span is not None else proj.conics
         image, alpha = _rasterize(
@@ -668,15 +664,5 @@ def render_reference(
         )  # fmt: skip
         if span is not None:
             image = span.output(image)
-    info = {
-        "means2d": means2d,
-        "radii": proj.radii[None],
-        "depths": proj.depths[None],
-        "conics": proj.conics[None],
-        "width": width,
-        "height": height,
-        "n_cameras": 1,
-        "gaussian_ids": None,
-        "tile_size": 16,
-    }
+    info = strategy_info(means2d, proj.radii[None], proj.depths[None], proj.conics[None], width, height)
     return image, alpha, info

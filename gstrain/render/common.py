@@ -1,0 +1,33 @@
+"""Pieces both renderers share: the info dict gsplat's strategies read, and optional phase timing."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import Tensor
+
+
+def strategy_info(means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor, width: int, height: int,
+                  tile_size: int = 16) -> dict[str, Any]:
+    """What gsplat's DefaultStrategy / MCMCStrategy read from a render, for one camera.
+
+    means2d [1,N,2] must be the tensor that feeds the rasterizer, so that retain_grad() on it
+    collects the screen-space gradient (and .absgrad when asked for). radii [1,N,2] int32.
+    """
+    return {
+        "means2d": means2d,
+        "radii": radii,
+        "depths": depths,
+        "conics": conics,
+        "width": width,
+        "height": height,
+        "n_cameras": 1,
+        "gaussian_ids": None,  # not packed
+        "tile_size": tile_size,
+    }
+
+
+def phase(timer: Any, name: str) -> contextlib.AbstractContextManager:
+    """timer.phase(name) when a PhaseTimer is given, else nothing."""
+    return timer.phase(name) if timer is not None else contextlib.nullcontext()
