@@ -190,13 +190,19 @@ def profile(
     scale: Annotated[int, typer.Option(help=".npz only: render at this multiple of its resolution.")] = 1,
     config: ConfigOpt = None,
     out: Annotated[Path | None, typer.Option(help="Where profile.json and tb/ go.")] = None,
+    switches: Annotated[bool, typer.Option(
+        "--switches", help="Time each speed switch instead: all on, each one off alone, all off (baseline)."
+    )] = False,
 ) -> None:
     """Time training steps per rasterizer mode on the same Gaussians: per-phase medians and speedups."""
     from gstrain.profile import PROFILE_MODES, run_profile
 
-    modes = list(PROFILE_MODES) if atomic_mode == "all" else [m.strip() for m in atomic_mode.split(",")]
+    if atomic_mode == "all":
+        modes = ["arc"] if switches else list(PROFILE_MODES)
+    else:
+        modes = [m.strip() for m in atomic_mode.split(",")]
     report = run_profile(target, modes, iters=iters, warmup=warmup, factor=factor, npz_scale=scale,
-                         config_files=config, out_dir=out, log=_log)
+                         config_files=config, out_dir=out, log=_log, switches=switches)
     print(report["table"])
     print(f"wrote {Path(report['out_dir']) / 'profile.json'}")
 

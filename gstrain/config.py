@@ -51,6 +51,9 @@ class OptimConfig:
     sh0_lr: float = 2.5e-3
     shN_lr: float = 2.5e-3 / 20
     eps: float = 1e-15
+    # Speed switches (CUDA only; the CPU always uses torch's Adam):
+    fused_adam: bool = True  # one kernel launch steps all six tensors (gstrain/train/fused_adam.py)
+    sparse_adam: bool = False  # update only the Gaussians drawn this step (gsplat's SelectiveAdam rule)
 
 
 @dataclass
@@ -75,6 +78,7 @@ class StrategyConfig:
     prune_opa: float = 0.005
     prune_scale3d: float = 0.1
     absgrad: bool = False
+    fast_stats: bool = True  # DefaultStrategy's per-step statistics without host syncs (same values)
     cap_max: int = 1_000_000  # mcmc only
 
 
@@ -89,6 +93,7 @@ class RenderConfig:
 class LogConfig:
     progress_every: int = 25  # progress bar / NaN check cadence (each is one host sync)
     tb_every: int = 100  # TensorBoard scalars and per-phase timings
+    time_every: int = 4  # time the phases of every Nth step (events cost host time; 1 = every step)
     eval_steps: list[int] = field(default_factory=lambda: [7000, 30_000])
     save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports
     ckpt_every: int = 1000  # full checkpoints, so a crash or NaN loses at most this many steps
@@ -226,6 +231,8 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"render.atomic_threshold must be 1..32; got {cfg.render.atomic_threshold}")
     if len(cfg.data.background) != 3:
         raise UserError("data.background must be three numbers (RGB in 0..1)")
+    if cfg.log.time_every < 1:
+        raise UserError(f"log.time_every must be >= 1; got {cfg.log.time_every}")
     if not 0.0 <= cfg.train.ssim_lambda <= 1.0:
         raise UserError(f"train.ssim_lambda must be in [0, 1]; got {cfg.train.ssim_lambda}")
     return cfg

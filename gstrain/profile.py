@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,14 @@ from gstrain.config import Config, build_config
 from gstrain.errors import UserError
 
 PROFILE_MODES = ("atomic", "warp", "distwar", "arc", "gsplat")
+STEP_PHASES = ("forward", "loss", "backward", "optimizer", "densify")
+# `--switches`: each speed feature and the value that turns it off (the baseline has all off).
+SWITCHES = {
+    "gsplat raster": ("render", "atomic_mode", "gsplat"),
+    "conv SSIM": ("train", "fused_ssim", False),
+    "torch Adam": ("optim", "fused_adam", False),
+    "gsplat stats": ("strategy", "fast_stats", False),
+}
 # (label, phase key) rows of the table; backward_rest and total are derived.
 TABLE_ROWS = (
     ("projection", "projection"),
@@ -32,7 +41,9 @@ TABLE_ROWS = (
     ("rest of backward", "backward_rest"),
     ("optimizer", "optimizer"),
     ("densification", "densify"),
-    ("step total", "total"),
+    ("step total (GPU events)", "total"),
+    ("host time", "host"),
+    ("step wall clock", "wall"),
 )
 
 
@@ -112,65 +123,96 @@ def _npz_workload(path: Path, cfg: Config, device: torch.device, scale: int) -> 
     return Workload(path.stem, params, cameras, targets, max(extent, 1e-3), cfg.model.sh_degree)
 
 
-def profile_mode(work: Workload, cfg: Config, mode: str, iters: int, warmup: int) -> dict[str, list[float]]:
-    """Per-iteration phase times (ms) of `iters` training steps in one rasterizer mode."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window: int = 10) -> dict[str, list[float]]:
+    """Per-window phase times (ms per step) of `iters` training steps run with `cfg`.
+
+    The steps are the trainer's own (StepRunner). They run in windows of `window` steps with no
+    sync inside a window, as in `gstrain fit`, so host overhead and host syncs show up in `wall`
+    (wall clock per step) and `host` (host time per step) as they would in training. The phase
+    rows are CUDA events: GPU time, plus any time the GPU waited for the host inside a phase.
+    """
     from gstrain.render import Renderer
     from gstrain.train.fused_ssim import install_ssim_impl
-    from gstrain.train.losses import photometric_loss
     from gstrain.train.optim import build_optimizers
+    from gstrain.train.step import StepRunner
     from gstrain.train.strategy import Densifier
     from gstrain.train.timing import PhaseTimer
 
     device = work.targets[0].device
-    mode_cfg = copy.deepcopy(cfg)
-    mode_cfg.render.atomic_mode = mode
+    run_cfg = copy.deepcopy(cfg)
     # bookkeeping on every step, but the set of Gaussians never changes while we measure
-    mode_cfg.strategy.refine_start = 10**9
+    run_cfg.strategy.refine_start = 10**9
     params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
-    optimizers = build_optimizers(params, mode_cfg.optim, work.extent)
-    densifier = Densifier(mode_cfg.strategy, work.extent, device)
-    renderer = Renderer(mode_cfg.render, device)
-    install_ssim_impl(device, mode_cfg.train.fused_ssim)  # the loss every mode trains with
+    optimizers = build_optimizers(params, run_cfg.optim, work.extent)
+    densifier = Densifier(run_cfg.strategy, work.extent, device)
+    renderer = Renderer(run_cfg.render, device, absgrad=run_cfg.strategy.absgrad)
+    install_ssim_impl(device, run_cfg.train.fused_ssim)  # the loss this configuration trains with
     timer = PhaseTimer(device)
+    runner = StepRunner(run_cfg, renderer, densifier, timer, device)
     background = torch.zeros(3, device=device)
-    samples: dict[str, list[float]] = {}
     tuner = renderer.tuner
     step = 0
-    while True:
-        measuring = step >= warmup and not (tuner is not None and tuner.tuning)
-        viewmat, K, width, height = work.cameras[step % len(work.cameras)]
+
+    def one_step() -> None:
+        nonlocal step
+        viewmat, K, _, _ = work.cameras[step % len(work.cameras)]
         gt = work.targets[step % len(work.targets)]
-        with timer.phase("forward"):
-            image, _, info = renderer(params, viewmat, K, width, height, work.sh_degree, background, timer=timer)
-        densifier.pre_backward(params, optimizers, step, info)
-        with timer.phase("loss"):
-            loss, _ = photometric_loss(image, gt, mode_cfg.train.ssim_lambda)
-        with timer.phase("backward"):
-            loss.backward()
-        with timer.phase("optimizer"):
-            for opt in optimizers.values():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        with timer.phase("densify"):
-            densifier.post_backward(params, optimizers, step, info, optimizers["means"].param_groups[0]["lr"])
-        timer.step_done()
-        phases = timer.summary()  # one sync per iteration: fine here, we time GPU work with events
+        runner.run(params, optimizers, step, viewmat, K, gt, work.sh_degree, background)
+        step += 1
+
+    # warm-up: lazy loading, allocator growth, and (arc) one full tuning round
+    while step < warmup or (tuner is not None and tuner.tuning):
+        one_step()
+        _sync(device)
+        timer.summary()
         if tuner is not None:
             tuner.poll()
-        step += 1
-        if not measuring:
-            continue
+        if step > warmup + 10_000:
+            raise RuntimeError("the ARC tuner never finished tuning")
+    samples: dict[str, list[float]] = {}
+    measured = 0
+    while measured < iters:
+        n = min(window, iters - measured)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            one_step()
+        phases = timer.summary()  # waits for the window's GPU work
+        phases["wall"] = (time.perf_counter() - t0) * 1e3 / n
+        phases["host"] = sum(timer.last_host_ms.get(k, 0.0) for k in STEP_PHASES)
         phases["backward_rest"] = phases["backward"] - phases.get("raster_bwd", 0.0)
-        phases["total"] = sum(phases[k] for k in ("forward", "loss", "backward", "optimizer", "densify"))
+        phases["total"] = sum(phases.get(k, 0.0) for k in STEP_PHASES)
         for key, value in phases.items():
             samples.setdefault(key, []).append(value)
-        if len(samples["total"]) >= iters:
-            break
-        if step > warmup + iters + 10_000:
-            raise RuntimeError("the ARC tuner never finished tuning")
+        measured += n
     if tuner is not None:
         samples["arc_threshold"] = [float(tuner.threshold)]
     return samples
+
+
+def profile_mode(work: Workload, cfg: Config, mode: str, iters: int, warmup: int) -> dict[str, list[float]]:
+    """profile_config with the rasterizer mode set to `mode`."""
+    mode_cfg = copy.deepcopy(cfg)
+    mode_cfg.render.atomic_mode = mode
+    return profile_config(work, mode_cfg, iters, warmup)
+
+
+def switch_variants(cfg: Config) -> dict[str, Config]:
+    """The configuration as given, the same with each speed switch turned off alone, and with all off."""
+    variants = {"all on": copy.deepcopy(cfg)}
+    baseline = copy.deepcopy(cfg)
+    for label, (section, key, off) in SWITCHES.items():
+        variant = copy.deepcopy(cfg)
+        setattr(getattr(variant, section), key, off)
+        setattr(getattr(baseline, section), key, off)
+        variants[label] = variant
+    variants["baseline"] = baseline
+    return variants
 
 
 def _median(values: list[float] | None) -> float | None:
@@ -183,10 +225,10 @@ def format_table(medians: dict[str, dict[str, float | None]]) -> str:
     for label, key in TABLE_ROWS:
         cells = [f"{medians[m].get(key):.3f}" if medians[m].get(key) is not None else "-" for m in modes]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    for base in ("atomic", "gsplat"):
+    for base in ("atomic", "gsplat", "baseline"):
         if base not in medians:
             continue
-        for key, label in (("raster_bwd", "rasterize backward"), ("total", "step")):
+        for key, label in (("raster_bwd", "rasterize backward"), ("wall", "step (wall clock)")):
             ref = medians[base].get(key)
             cells = []
             for m in modes:
@@ -206,7 +248,10 @@ def run_profile(
     config_files: list[Path] | None = None,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    switches: bool = False,
 ) -> dict[str, Any]:
+    """Profile rasterizer modes side by side or, with `switches`, the speed switches one by one
+    (each turned off alone, and all off) with the rasterizer mode `modes[0]`."""
     if not torch.cuda.is_available():
         raise UserError("gstrain profile times our CUDA kernels and needs a CUDA GPU")
     for mode in modes:
@@ -214,6 +259,8 @@ def run_profile(
             raise UserError(f"--atomic-mode must be one of {', '.join(PROFILE_MODES)} or all; got '{mode}'")
     if iters < 1 or warmup < 0:
         raise UserError("--iters must be >= 1 and --warmup >= 0")
+    if switches and len(modes) != 1:
+        raise UserError("--switches profiles one rasterizer mode: pass --atomic-mode with one mode (e.g. arc)")
     cfg = build_config(config_files)
     device = torch.device("cuda")
     work = load_workload(target, cfg, device, npz_scale, factor)
@@ -221,8 +268,13 @@ def run_profile(
     width, height = work.cameras[0][2], work.cameras[0][3]
     log(f"gstrain: profiling {work.name}: {n} Gaussians, {len(work.cameras)} views at {width}x{height}")
     results: dict[str, dict[str, list[float]]] = {}
-    for mode in tqdm(modes, desc="profile", unit="mode"):
-        results[mode] = profile_mode(work, cfg, mode, iters, warmup)
+    if switches:
+        cfg.render.atomic_mode = modes[0]
+        for label, variant in tqdm(switch_variants(cfg).items(), desc="profile", unit="config"):
+            results[label] = profile_config(work, variant, iters, warmup)
+    else:
+        for mode in tqdm(modes, desc="profile", unit="mode"):
+            results[mode] = profile_mode(work, cfg, mode, iters, warmup)
     medians = {m: {k: _median(v) for k, v in s.items()} for m, s in results.items()}
     table = format_table(medians)
     report = {
@@ -233,6 +285,7 @@ def run_profile(
         "resolution": [width, height],
         "iters": iters,
         "warmup": warmup,
+        "switches": switches,
         "median_ms": medians,
         "samples_ms": results,
         "table": table,
@@ -246,6 +299,6 @@ def run_profile(
         for mode, med in medians.items():
             for _, key in TABLE_ROWS:
                 if med.get(key) is not None:
-                    writer.add_scalar(f"profile_ms/{key}/{mode}", med[key], 0)
+                    writer.add_scalar(f"profile_ms/{key}/{mode.replace(' ', '_')}", med[key], 0)
     report["out_dir"] = str(out_dir)
     return report

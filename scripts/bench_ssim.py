@@ -27,7 +27,7 @@ from torch import Tensor
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gstrain.train.fused_ssim import ensure_built, fused_ssim  # noqa: E402
+from gstrain.train.fused_ssim import ensure_built, fused_photometric_loss, fused_ssim  # noqa: E402
 from gstrain.train.losses import ssim_conv  # noqa: E402
 
 SsimFn = Callable[[Tensor, Tensor], Tensor]
@@ -83,6 +83,8 @@ def sanitize_case() -> None:
         img = torch.rand(shape, device="cuda", generator=gen).requires_grad_(True)
         gt = torch.rand(shape, device="cuda", generator=gen)
         fused_ssim(img, gt).backward()
+        img.grad = None
+        fused_photometric_loss(img, gt, 0.2)[0].backward()  # the fused L1 + SSIM loss
     torch.cuda.synchronize()
     print("bench_ssim: sanitize case done")
 

@@ -59,6 +59,34 @@ def main() -> int:
             print(f"sanitize case: non-finite gradient in mode={mode} vector={vector} ch={ch}")
             return 1
     print(f"sanitize case: {len(runs)} forward+backward runs done, {flatten_ids.numel()} intersections")
+    return step_kernels_case(gen)
+
+
+def step_kernels_case(gen: torch.Generator) -> int:
+    """The training-step kernels: multi-tensor Adam (dense, sparse, more tensors than one launch
+    takes) and the densification statistics, on sizes that end mid-block."""
+    from gstrain.train.fused_adam import FusedAdam
+    from gstrain.train.step_ops import ensure_built
+
+    n = 1037
+    shapes = [(n, 3), (n, 3), (n, 4), (n,), (n, 1, 3), (n, 15, 3), (n, 2), (n, 5), (n, 1)]  # 9 > 8 per launch
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda()) for s in shapes]
+    optimizers = {f"p{i}": torch.optim.Adam([p], lr=1e-3) for i, p in enumerate(params)}
+    visible = (torch.rand(n, generator=gen) > 0.5).cuda()
+    adam = FusedAdam()
+    for mask in (None, visible):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).cuda()
+        adam.step(optimizers, mask)
+    grad = torch.randn(n, 2, generator=gen).cuda()
+    radii = torch.randint(0, 3, (n, 2), generator=gen, dtype=torch.int32).cuda()
+    grad2d, count = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    ensure_built().grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count)
+    torch.cuda.synchronize()
+    if not all(torch.isfinite(p).all() for p in params) or not torch.isfinite(grad2d).all():
+        print("sanitize case: non-finite values from the step kernels")
+        return 1
+    print("sanitize case: step kernels done")
     return 0
 
 

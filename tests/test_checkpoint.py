@@ -5,6 +5,7 @@ import torch
 
 from gstrain.errors import UserError
 from gstrain.train.checkpoint import (
+    CheckpointWriter,
     atomic_torch_save,
     list_checkpoints,
     load_latest_checkpoint,
@@ -45,3 +46,31 @@ def test_missing_checkpoint_is_user_error(tmp_path):
     assert load_latest_checkpoint(tmp_path) is None
     with pytest.raises(UserError, match="no checkpoint"):
         require_checkpoint(tmp_path)
+
+
+def test_background_writer_snapshots_state_and_keeps_newest(tmp_path):
+    writer = CheckpointWriter(tmp_path, keep=2)
+    x = torch.zeros(4)
+    opt_state = {"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1}]}
+    for step in (1, 2, 3):
+        x.fill_(float(step))
+        path = writer.save(step, {"step": step, "x": x, "opt": opt_state})
+        x.fill_(-1.0)  # the loop goes on changing its tensors while the write is in flight
+        opt_state["state"][0]["exp_avg"].fill_(-1.0)
+        opt_state["state"][0]["exp_avg"] = torch.ones(2)
+    writer.wait()
+    assert path == tmp_path / "ckpt" / "step_3.pt"
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    state = load_latest_checkpoint(tmp_path)
+    assert torch.equal(state["x"], torch.full((4,), 3.0))
+    assert torch.equal(state["opt"]["state"][0]["exp_avg"], torch.ones(2))
+
+
+def test_background_writer_reports_a_failed_write(tmp_path):
+    blocker = tmp_path / "run"
+    blocker.write_text("a file where the run folder should be")
+    writer = CheckpointWriter(blocker)
+    writer.save(1, {"step": 1})
+    with pytest.raises(UserError, match="could not write a checkpoint"):
+        writer.wait()
+    writer.wait()  # the error is reported once

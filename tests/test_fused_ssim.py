@@ -14,9 +14,17 @@ from torch import Tensor
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train import fused_ssim as fused_mod
+from gstrain.train import losses
 from gstrain.train import trainer as trainer_mod
-from gstrain.train.fused_ssim import fused_ssim, install_ssim_impl, ssim_impl_for
-from gstrain.train.losses import get_ssim_impl, photometric_loss, set_ssim_impl, ssim_conv
+from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim, install_ssim_impl, ssim_impl_for
+from gstrain.train.losses import (
+    get_ssim_impl,
+    photometric_loss,
+    set_loss_impl,
+    set_ssim_impl,
+    ssim_conv,
+    unfused_photometric_loss,
+)
 from gstrain.train.trainer import Trainer
 
 VALUE_TOL = 1e-5  # relative error of the mean SSIM
@@ -150,6 +158,34 @@ class TestFusedSsimCuda:
         assert abs(fused_s.item() - conv_ssim.item()) / conv_ssim.item() < VALUE_TOL
         assert rel_err(fused_grad, conv_grad) < GRAD_TOL
 
+    @pytest.mark.parametrize("lam", [0.0, 0.2, 1.0])
+    def test_fused_loss_matches_unfused_in_float64(self, lam):
+        img, gt = structured_pair(75, 130, seed=11)
+        gt[:10, :10] = img[:10, :10]  # equal pixels: |x - y| has gradient 0 there, as in torch
+        x64 = img.double().requires_grad_(True)
+        want, want_terms = unfused_photometric_loss(x64, gt.double(), lam)  # ssim_conv in float64
+        want.backward()
+        x = img.cuda().requires_grad_(True)
+        got, terms = fused_photometric_loss(x, gt.cuda(), lam)
+        got.backward()
+        assert abs(got.item() - want.item()) <= VALUE_TOL * max(abs(want.item()), 1e-3)
+        for key in ("l1", "ssim"):
+            assert abs(terms[key].item() - want_terms[key].item()) <= VALUE_TOL * abs(want_terms[key].item())
+            assert not terms[key].requires_grad
+        assert rel_err(x.grad, x64.grad) < GRAD_TOL
+        if lam == 0.0:  # pure L1: no gradient where the render already equals the photo
+            assert x.grad[:10, :10].abs().max().item() == 0.0
+
+    def test_fused_loss_batched_and_through_the_hook(self):
+        img, gt = (t.cuda() for t in random_pair(33, 47, batch=2, seed=5))
+        previous = set_loss_impl(fused_photometric_loss)
+        try:
+            fused, _ = photometric_loss(img, gt, 0.3)
+        finally:
+            set_loss_impl(previous)
+        plain, _ = unfused_photometric_loss(img.double(), gt.double(), 0.3)
+        assert abs(fused.item() - plain.item()) < VALUE_TOL * plain.item()
+
     def test_trainer_installs_fused_on_cuda_unless_disabled(self, demo_scene, tmp_path):
         scene = load_scene(demo_scene)
         try:
@@ -157,8 +193,10 @@ class TestFusedSsimCuda:
                 cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
                 Trainer(cfg, scene, tmp_path / f"run_{enabled}", torch.device("cuda"), log=lambda m: None)
                 assert get_ssim_impl() is want
+                assert losses.get_loss_impl() is (fused_photometric_loss if enabled else None)
         finally:
             set_ssim_impl(None)
+            set_loss_impl(None)
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -178,10 +216,13 @@ def test_install_builds_only_for_the_fused_impl(monkeypatch):
     try:
         assert install_ssim_impl(torch.device("cuda"), True) is fused_ssim
         assert get_ssim_impl() is fused_ssim and builds == [1]
+        assert losses.get_loss_impl() is fused_photometric_loss
         assert install_ssim_impl(torch.device("cuda"), False) is ssim_conv
         assert get_ssim_impl() is ssim_conv and builds == [1]
+        assert losses.get_loss_impl() is None
     finally:
         set_ssim_impl(None)
+        set_loss_impl(None)
 
 
 def test_trainer_on_cpu_uses_conv_and_passes_the_flag(demo_scene, tmp_path, monkeypatch):

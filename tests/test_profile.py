@@ -9,7 +9,7 @@ from conftest import SHARED_DATA
 
 from gstrain.config import Config
 from gstrain.errors import UserError
-from gstrain.profile import format_table, load_workload
+from gstrain.profile import SWITCHES, format_table, load_workload, profile_config, switch_variants
 
 
 def test_workload_from_scene_and_from_run(demo_scene, tmp_path):
@@ -50,3 +50,29 @@ def test_table_has_speedups_against_both_baselines():
     table = format_table(med)
     assert "| rasterize backward speedup vs atomic | 1.00x | 10.00x | 8.00x |" in table
     assert "| rasterize backward speedup vs gsplat | 0.12x | 1.25x | 1.00x |" in table
+
+
+def test_switch_variants_turn_off_one_switch_each_and_all_for_the_baseline():
+    cfg = Config()
+    variants = switch_variants(cfg)
+    assert list(variants) == ["all on", *SWITCHES, "baseline"]
+    assert variants["all on"].render.atomic_mode == "arc" and variants["all on"].optim.fused_adam
+    assert variants["torch Adam"].optim.fused_adam is False and variants["torch Adam"].train.fused_ssim
+    assert variants["gsplat raster"].render.atomic_mode == "gsplat"
+    base = variants["baseline"]
+    assert (base.render.atomic_mode, base.train.fused_ssim, base.optim.fused_adam, base.strategy.fast_stats) == (
+        "gsplat", False, False, False)
+    assert cfg.optim.fused_adam  # the input is not modified
+
+
+def test_profile_config_times_whole_windows_on_cpu(demo_scene):
+    cfg = Config()
+    cfg.model.sh_degree = 1
+    work = load_workload(demo_scene, cfg, torch.device("cpu"))
+    work.sh_degree = 1
+    samples = profile_config(work, cfg, iters=4, warmup=1, window=2)
+    assert len(samples["wall"]) == 2  # two windows of two steps
+    for key in ("forward", "loss", "backward", "optimizer", "densify", "total", "host", "wall"):
+        assert all(v > 0 for v in samples[key]), key
+    # the phases run inside the step: together they cannot take longer than the wall clock
+    assert all(t <= w * 1.05 for t, w in zip(samples["total"], samples["wall"], strict=True))

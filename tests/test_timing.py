@@ -37,3 +37,16 @@ def test_backward_span_times_only_the_wrapped_op():
     summary = timer.summary()
     assert 45 < summary["slow_bwd"] < 200
     assert torch.allclose(x.grad, torch.full((4,), 6.0))  # the hooks are identities for gradients
+
+
+def test_untimed_steps_do_not_count():
+    timer = PhaseTimer(torch.device("cpu"))
+    for step in range(8):
+        timer.enabled = step % 4 == 0
+        with timer.phase("a"):
+            time.sleep(0.01 if timer.enabled else 0.05)
+        timer.step_done()
+    assert timer.pending_steps == 2
+    summary = timer.summary()
+    assert 8 < summary["a"] < 40  # the mean of the two timed 10 ms steps, not of all eight
+    assert timer.last_host_ms["a"] == summary["a"]  # on the CPU host time is the phase time

@@ -9,7 +9,7 @@ import torch
 
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
-from gstrain.train import trainer as trainer_mod
+from gstrain.train import step as step_mod
 from gstrain.train.checkpoint import list_checkpoints
 from gstrain.train.trainer import Trainer, ViewSampler
 
@@ -42,7 +42,7 @@ def test_sampler_visits_every_view_and_resumes():
 
 def test_nan_stops_and_keeps_last_good_checkpoint(scene, tmp_path, monkeypatch):
     trainer = make_trainer(scene, tmp_path / "run")
-    real_loss = trainer_mod.photometric_loss
+    real_loss = step_mod.photometric_loss
     calls = {"n": 0}
 
     def poisoned(image, gt, lam):
@@ -52,7 +52,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(scene, tmp_path, monkeypatch):
             loss = loss * float("nan")
         return loss, terms
 
-    monkeypatch.setattr(trainer_mod, "photometric_loss", poisoned)
+    monkeypatch.setattr(step_mod, "photometric_loss", poisoned)
     result = trainer.fit()
     assert result.status == "nan"
     steps = [s for s, _ in list_checkpoints(tmp_path / "run")]
@@ -75,7 +75,7 @@ def test_training_reduces_loss(scene, tmp_path):
     trainer = make_trainer(scene, tmp_path / "run")
     losses = []
     for step in range(60):
-        loss, _, _ = trainer.train_step(step)
+        loss, _, _, _ = trainer.train_step(step)
         losses.append(float(loss))
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])

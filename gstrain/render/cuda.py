@@ -22,6 +22,7 @@ from gstrain.cuda_build import check_toolchain, gencode_flags, load_extension
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
 from gstrain.render.common import phase, strategy_info
+from gstrain.render.reference import camera_centre
 
 ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
@@ -264,7 +265,8 @@ def splat_colors(params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Te
     from gsplat import spherical_harmonics
 
     means = params["means"]
-    campos = torch.linalg.inv(viewmat[None].float())[:, :3, 3]  # [1, 3]
+    # -R^T t of the rigid world-to-camera matrix: torch.linalg.inv would sync to check for errors
+    campos = camera_centre(viewmat.float())[None]  # [1, 3]
     dirs = means[None] - campos[:, None, :]
     coeffs = torch.cat([params["sh0"], params["shN"]], dim=1)[None]
     visible = (radii > 0).all(dim=-1)  # skips SH work for Gaussians off screen

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,55 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
         for _, old in list_checkpoints(run_dir)[:-keep]:
             old.unlink(missing_ok=True)
     return path
+
+
+def to_host(obj: Any) -> Any:
+    """A copy of a nested state (dicts, lists, tuples) with every tensor copied to host memory."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, so training pays only for the copy to host memory.
+
+    `save` snapshots the state (every tensor copied to the host, so later steps cannot change
+    it), then writes it atomically and prunes old ones off the loop. At most one write is in
+    flight: the next `save`, or `wait`, blocks until it is on disk and re-raises its error.
+    """
+
+    def __init__(self, run_dir: Path, keep: int = 2) -> None:
+        self.run_dir = run_dir
+        self.keep = keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        self.wait()
+        snapshot = to_host(state)
+        path = checkpoint_path(self.run_dir, step)
+        self._thread = threading.Thread(target=self._write, args=(step, snapshot), name="gstrain-ckpt", daemon=False)
+        self._thread.start()
+        return path
+
+    def _write(self, step: int, snapshot: dict[str, Any]) -> None:
+        try:
+            save_checkpoint(self.run_dir, step, snapshot, keep=self.keep)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise UserError(f"could not write a checkpoint under {self.run_dir / 'ckpt'}: {error}")
 
 
 def load_latest_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:

@@ -5,6 +5,11 @@ dSSIM/dsigma1^2 and dSSIM/dsigma12; the backward is one more Gaussian filtering 
 maps (csrc/fused_ssim.cu). The same 3DGS definition as ssim_conv: 11x11 Gaussian window with
 sigma 1.5, zero padding, same-size map, mean over pixels and channels.
 
+fused_photometric_loss goes one step further: the whole 3DGS loss, (1 - lambda) L1 +
+lambda (1 - SSIM), from the same two kernels (the L1 sum rides along in the forward's block
+sums, its sign in the backward), which saves the dozen small launches and autograd nodes of the
+unfused loss: host time, on a GPU that waits for the host.
+
 The extension (gstrain_ssim) is compiled on first use. Only `img` gets a gradient; `gt` is
 treated as a constant.
 """
@@ -20,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gstrain.cuda_build import load_extension
-from gstrain.train.losses import SsimImpl, set_ssim_impl, ssim_conv
+from gstrain.train.losses import SsimImpl, set_loss_impl, set_ssim_impl, ssim_conv
 
 WINDOW = 11
 SIGMA = 1.5
@@ -54,6 +59,47 @@ class _FusedSsim(torch.autograd.Function):
         return ensure_built().ssim_bwd(img, gt, partials, grad), None
 
 
+class _FusedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, img: Tensor, gt: Tensor, ssim_lambda: float) -> tuple[Tensor, Tensor, Tensor]:
+        save = bool(ctx.needs_input_grad[0])
+        loss, ssim_value, l1, partials = ensure_built().loss_fwd(img, gt, float(ssim_lambda), save)
+        if save:
+            ctx.save_for_backward(img, gt, partials)
+        ctx.ssim_lambda = float(ssim_lambda)
+        ctx.mark_non_differentiable(ssim_value, l1)
+        return loss, ssim_value, l1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor, _g_ssim: Tensor, _g_l1: Tensor) -> tuple[Tensor | None, None, None]:
+        img, gt, partials = ctx.saved_tensors
+        return ensure_built().loss_bwd(img, gt, partials, grad, ctx.ssim_lambda), None, None
+
+
+def _fusable(img: Tensor, gt: Tensor) -> bool:
+    return (
+        img.is_cuda and gt.is_cuda and img.dtype == torch.float32 and gt.dtype == torch.float32
+        and img.numel() > 0
+    )  # fmt: skip
+
+
+def fused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+    """losses.photometric_loss in one forward and one backward kernel: L1 and SSIM fused.
+
+    (1 - lambda) L1 + lambda (1 - SSIM) with the 3DGS SSIM; terms come back detached. Inputs
+    the kernels do not take (CPU, another dtype) go to the unfused loss.
+    """
+    from gstrain.train.losses import unfused_photometric_loss
+
+    if img.shape != gt.shape or img.dim() not in (3, 4) or not _fusable(img, gt):
+        return unfused_photometric_loss(img, gt, ssim_lambda)
+    if img.dim() == 3:
+        img, gt = img.unsqueeze(0), gt.unsqueeze(0)
+    loss, ssim_value, l1 = _FusedLoss.apply(img.contiguous(), gt.detach().contiguous(), float(ssim_lambda))
+    return loss, {"l1": l1, "ssim": ssim_value, "loss": loss.detach()}
+
+
 def fused_ssim(img: Tensor, gt: Tensor, window: int = WINDOW, sigma: float = SIGMA) -> Tensor:
     """Mean SSIM (scalar tensor) of [H,W,C] or [B,H,W,C] images; ssim_conv's contract.
 
@@ -67,11 +113,7 @@ def fused_ssim(img: Tensor, gt: Tensor, window: int = WINDOW, sigma: float = SIG
         raise ValueError(f"image shapes differ: {tuple(img.shape)} vs {tuple(gt.shape)}")
     if img.dim() not in (3, 4):
         raise ValueError(f"expected an image [H,W,C] or [B,H,W,C], got shape {tuple(img.shape)}")
-    fused = (
-        img.is_cuda and gt.is_cuda and img.dtype == torch.float32 and gt.dtype == torch.float32
-        and img.numel() > 0
-    )  # fmt: skip
-    if not fused:
+    if not _fusable(img, gt):
         return ssim_conv(img, gt, window, sigma)
     if img.dim() == 3:  # views, no copies
         img, gt = img.unsqueeze(0), gt.unsqueeze(0)
@@ -93,4 +135,5 @@ def install_ssim_impl(device: torch.device, enabled: bool) -> SsimImpl:
     if impl is fused_ssim:
         ensure_built()
     set_ssim_impl(impl)
+    set_loss_impl(fused_photometric_loss if impl is fused_ssim else None)
     return impl

@@ -104,8 +104,32 @@ def psnr(img: Tensor, gt: Tensor) -> Tensor:
     return -10.0 * torch.log10(mse)
 
 
+# (img, gt, ssim_lambda) -> (loss, detached terms): a fused replacement of the whole loss, or None.
+LossImpl = Callable[[Tensor, Tensor, float], tuple[Tensor, dict[str, Tensor]]]
+_loss_impl: LossImpl | None = None
+
+
+def set_loss_impl(fn: LossImpl | None) -> LossImpl | None:
+    """Install a fused photometric loss (None: compose it from l1_loss and ssim); returns the previous one."""
+    global _loss_impl
+    previous = _loss_impl
+    _loss_impl = fn
+    return previous
+
+
+def get_loss_impl() -> LossImpl | None:
+    return _loss_impl
+
+
 def photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
     """(1 - λ)·L1 + λ·(1 - SSIM), the 3DGS training loss; terms come back detached for logging."""
+    if _loss_impl is not None:
+        return _loss_impl(img, gt, ssim_lambda)
+    return unfused_photometric_loss(img, gt, ssim_lambda)
+
+
+def unfused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+    """photometric_loss from its parts: l1_loss and the installed ssim()."""
     l1 = l1_loss(img, gt)
     s = ssim(img, gt)
     loss = (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s)

@@ -11,6 +11,46 @@ from gstrain.config import StrategyConfig
 from gstrain.errors import UserError
 
 
+class FastStatsStrategy(DefaultStrategy):
+    """gsplat's DefaultStrategy with its per-step statistics kept densely.
+
+    Growing, pruning and resets are gsplat's own. Only `_update_state`, which runs every step
+    until refine_stop, changes: gsplat gathers the visible Gaussians with torch.where and boolean
+    indexing, three host syncs a step; here every Gaussian adds its norm or nothing (one kernel
+    on the GPU), which gives the same grad2d and count. Cases that the dense form does not cover
+    (packed renders, several cameras, the radii statistic) go to gsplat's code.
+    """
+
+    def _update_state(self, params, state, info, packed: bool = False) -> None:  # type: ignore[override]
+        if packed or self.refine_scale2d_stop_iter > 0 or info["n_cameras"] != 1:
+            return super()._update_state(params, state, info, packed=packed)
+        means2d = info[self.key_for_gradient]
+        grads = means2d.absgrad if self.absgrad else means2d.grad
+        n = len(params["means"])
+        if state["grad2d"] is None:
+            state["grad2d"] = torch.zeros(n, device=grads.device)
+        if state["count"] is None:
+            state["count"] = torch.zeros(n, device=grads.device)
+        scale_x = info["width"] / 2.0 * info["n_cameras"]
+        scale_y = info["height"] / 2.0 * info["n_cameras"]
+        radii = info["radii"].reshape(n, 2)
+        grads = grads.reshape(n, 2)
+        if grads.is_cuda:
+            from gstrain.train.step_ops import ensure_built
+
+            ensure_built().grad2d_stats(grads.float().contiguous(), radii.to(torch.int32).contiguous(),
+                                        scale_x, scale_y, state["grad2d"], state["count"])  # fmt: skip
+            return None
+        visible = (radii > 0).all(dim=-1)
+        scaled = grads.clone()
+        scaled[:, 0] *= scale_x
+        scaled[:, 1] *= scale_y
+        norms = scaled.norm(dim=-1)
+        state["grad2d"] += torch.where(visible, norms, torch.zeros_like(norms))
+        state["count"] += visible.to(state["count"].dtype)
+        return None
+
+
 class Densifier:
     """Owns the gsplat strategy and its state; tells the trainer when the Gaussian set changed."""
 
@@ -27,7 +67,8 @@ class Densifier:
             )
             self.state: dict[str, Any] = self.strategy.initialize_state()
         else:
-            self.strategy = DefaultStrategy(
+            strategy_cls = FastStatsStrategy if cfg.fast_stats else DefaultStrategy
+            self.strategy = strategy_cls(
                 prune_opa=cfg.prune_opa,
                 grow_grad2d=cfg.grow_grad2d,
                 grow_scale3d=cfg.grow_scale3d,

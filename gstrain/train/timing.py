@@ -2,6 +2,10 @@
 
 Recording never synchronises the host with the GPU: events are read only when the trainer asks
 for a summary (at logging steps), after one synchronise.
+
+On the GPU each phase also gets its host time (the wall clock the Python side spent issuing it):
+when a step's host time exceeds its GPU time, the GPU waits on the host, and the events then
+time those waits too. Comparing the two says which side bounds a phase.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ class PhaseTimer:
         self.enabled = enabled
         self._pending: list[tuple[str, object, object]] = []  # (phase, start, end)
         self._totals: dict[str, float] = defaultdict(float)
+        self._host_totals: dict[str, float] = defaultdict(float)
         self._steps = 0
+        self.last_host_ms: dict[str, float] = {}  # host ms per step of each phase, as of the last summary()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -49,12 +55,14 @@ class PhaseTimer:
             yield
             return
         if self.cuda:
+            t0 = time.perf_counter()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
             self._pending.append((name, start, end))
+            self._host_totals[name] += (time.perf_counter() - t0) * 1e3
         else:
             t0 = time.perf_counter()
             yield
@@ -74,11 +82,13 @@ class PhaseTimer:
         return BackwardSpan(self, name)
 
     def step_done(self) -> None:
-        self._steps += 1
+        """End of a step; it counts towards the means only if it was timed (`enabled`)."""
+        if self.enabled:
+            self._steps += 1
 
     @property
     def pending_steps(self) -> int:
-        """Steps recorded since the last summary()."""
+        """Timed steps recorded since the last summary()."""
         return self._steps
 
     def summary(self) -> dict[str, float]:
@@ -89,8 +99,11 @@ class PhaseTimer:
                 self._totals[name] += start.elapsed_time(end)  # type: ignore[attr-defined]
         steps = max(self._steps, 1)
         out = {name: total / steps for name, total in self._totals.items()}
+        host = self._host_totals if self.cuda else self._totals
+        self.last_host_ms = {name: total / steps for name, total in host.items()}
         self._pending.clear()
         self._totals = defaultdict(float)
+        self._host_totals = defaultdict(float)
         self._steps = 0
         return out
 

@@ -23,10 +23,11 @@ from gstrain.errors import UserError
 from gstrain.evaluate import Metrics
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
-from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.fused_ssim import install_ssim_impl
-from gstrain.train.losses import photometric_loss, psnr
+from gstrain.train.losses import psnr
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
+from gstrain.train.step import StepRunner
 from gstrain.train.strategy import Densifier
 from gstrain.train.timing import PhaseTimer
 
@@ -152,9 +153,14 @@ class Trainer:
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
+        self.runner = StepRunner(cfg, self.renderer, self.densifier, self.timer, device)
         self.phase_ms_sum: dict[str, float] = {}  # over logged windows, for the run summary
+        self.host_ms_sum: dict[str, float] = {}
         self.phase_steps = 0
+        self._first_step = 0
+        self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
+        self.checkpoints = CheckpointWriter(run_dir, keep=cfg.log.keep_ckpts)
 
     # ----------------------------------------------------------------- setup
     def _initial_params(self) -> torch.nn.ParameterDict:
@@ -179,7 +185,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "params": {k: v.detach().clone() for k, v in self.params.items()},
+            "params": {k: v.detach() for k, v in self.params.items()},  # CheckpointWriter copies
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
             "scheduler": self.scheduler.state_dict(),
             "strategy": self.densifier.state_dict(),
@@ -212,8 +218,12 @@ class Trainer:
     def _params_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params.values())
 
-    def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=self.cfg.log.keep_ckpts)
+    def save(self, wait: bool = False) -> Path:
+        """Checkpoint the current state; written in the background unless `wait`."""
+        path = self.checkpoints.save(self.step, self.state_dict())
+        if wait:
+            self.checkpoints.wait()
+        return path
 
     def export_ply(self) -> Path:
         path = self.run_dir / "point_cloud" / f"iteration_{self.step}" / "point_cloud.ply"
@@ -253,39 +263,17 @@ class Trainer:
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
         return self.writer
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """One optimisation step. Returns (loss, loss terms, train psnr) as device tensors: no sync."""
-        cfg, timer = self.cfg, self.timer
-        with timer.phase("data"):
+    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """One optimisation step. Returns (loss, loss terms, render, target) as device tensors: no sync."""
+        with self.timer.phase("data"):
             idx = self.sampler.next()
             viewmat, K = self.train_cams[idx]
             gt = self.train_images[idx].float() / 255.0
-            height, width = gt.shape[:2]
-        with timer.phase("forward"):
-            image, _, info = self.renderer(
-                self.params, viewmat, K, width, height, self.active_sh_degree(), self.background, timer=timer
-            )
-        self.densifier.pre_backward(self.params, self.optimizers, step, info)
-        with timer.phase("loss"):
-            loss, terms = photometric_loss(image, gt, cfg.train.ssim_lambda)
-            reg = self.densifier.mcmc_regularisers(self.params)
-            if reg is not None:
-                loss = loss + reg
-        with timer.phase("backward"):
-            loss.backward()
-        with timer.phase("optimizer"):
-            for opt in self.optimizers.values():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            self.scheduler.step()
-        with timer.phase("densify"):
-            changed = self.densifier.post_backward(
-                self.params, self.optimizers, step, info, self.scheduler.get_last_lr()[0]
-            )
-        if changed:
-            self.renderer.gaussians_changed()
-        timer.step_done()
-        return loss.detach(), {k: v.detach() for k, v in terms.items()}, psnr(image.detach(), gt)
+        result = self.runner.run(
+            self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
+            scheduler=self.scheduler,
+        )
+        return result.loss, result.terms, result.image, gt
 
     def fit(self, resume: bool = False) -> FitResult:
         cfg = self.cfg
@@ -295,6 +283,7 @@ class Trainer:
             seed_everything(cfg.train.seed)
         total = cfg.train.steps
         start_step = self.step
+        self._first_step = start_step
         initial = self.evaluate_test() if start_step == 0 else None
         if initial is not None:
             self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
@@ -307,21 +296,24 @@ class Trainer:
         bar = tqdm(total=total, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
         with _StopFlag() as stop:
             while self.step < total:
-                loss, terms, train_psnr = self.train_step(self.step)
+                self.timer.enabled = self.step % cfg.log.time_every == 0
+                loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step
+                logging = step % cfg.log.tb_every == 0
+                train_psnr = psnr(image, gt) if logging or step % cfg.log.progress_every == 0 else None
                 if step % cfg.log.progress_every == 0 or step == total:
                     loss_value = float(loss)  # the one host sync per progress_every steps
                     if not math.isfinite(loss_value):
                         status = "nan"
                         break
-                    last_psnr = float(train_psnr)
+                    last_psnr = float(train_psnr) if train_psnr is not None else float(psnr(image, gt))
                     bar.set_postfix(
                         loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}",
                         gaussians=len(self.params["means"]), mem=_memory_text(self.device),
                     )
                     bar.update(step - bar.n)
-                if step % cfg.log.tb_every == 0:
+                if logging:
                     self._log_scalars(step, loss, terms, train_psnr)
                 if step in eval_steps:
                     metrics = self.evaluate_test()
@@ -341,11 +333,12 @@ class Trainer:
                     status = "interrupted"
                     break
         bar.close()
+        self.checkpoints.wait()  # the last write is part of the run's time
         seconds = time.perf_counter() - t_start
 
         if status == "interrupted":
             if self._params_finite():
-                ckpt = self.save()
+                ckpt = self.save(wait=True)
                 self.log(f"gstrain: interrupted at step {self.step}; checkpoint saved to {ckpt}")
             else:
                 status = "nan"
@@ -376,10 +369,19 @@ class Trainer:
         for name, lr in current_lrs(self.optimizers).items():
             tb.add_scalar(f"lr/{name}", lr, step)
         window = self.timer.pending_steps
-        for phase, ms in self.timer.summary().items():
+        for phase, ms in self.timer.summary().items():  # synchronises: the window's GPU work is done
             tb.add_scalar(f"time_ms/{phase}", ms, step)
             self.phase_ms_sum[phase] = self.phase_ms_sum.get(phase, 0.0) + ms * window
+        for phase, ms in self.timer.last_host_ms.items():
+            tb.add_scalar(f"host_ms/{phase}", ms, step)
+            self.host_ms_sum[phase] = self.host_ms_sum.get(phase, 0.0) + ms * window
         self.phase_steps += window
+        now = time.perf_counter()
+        if self._window_start is not None and step > self._window_start[0]:
+            # wall clock per step over the window, logging included: what the user waits for
+            wall = (now - self._window_start[1]) * 1e3 / (step - self._window_start[0])
+            tb.add_scalar("time_ms/step_wall", wall, step)
+        self._window_start = (step, now)
         threshold = self.renderer.atomic_threshold
         if threshold is not None:
             tb.add_scalar("render/atomic_threshold", threshold, step)
@@ -409,6 +411,10 @@ class Trainer:
             "phase_ms_per_step": {
                 k: round(v / self.phase_steps, 4) for k, v in self.phase_ms_sum.items()
             } if self.phase_steps else None,
+            "host_ms_per_step": {
+                k: round(v / self.phase_steps, 4) for k, v in self.host_ms_sum.items()
+            } if self.phase_steps else None,
+            "wall_ms_per_step": round(result.seconds * 1e3 / max(result.step - self._first_step, 1), 4),
             "peak_gpu_memory_gib": (
                 round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3) if self.device.type == "cuda" else None
             ),

@@ -53,14 +53,18 @@ void check_cuda(cudaError_t err, const char *what) {
 
 } // namespace
 
-// img, gt [B,H,W,C] -> mean SSIM (a 0-dim tensor), and the per-pixel partial derivatives
-// [B,C,3,H,W] the backward needs (an empty tensor when save_partials is false).
-std::vector<at::Tensor> ssim_fwd(const at::Tensor &img, const at::Tensor &gt, bool save_partials) {
+namespace {
+
+// The forward of ssim_fwd / loss_fwd: `ssim` gets SSIM (and with_l1: `l1` and `loss`), 0-dim each.
+at::Tensor run_fwd(
+    const at::Tensor &img, const at::Tensor &gt, bool save_partials, bool with_l1, double ssim_lambda,
+    at::Tensor &ssim, at::Tensor &l1, at::Tensor &loss
+) {
     const SsimDims d = dims_of(img, gt);
     const c10::cuda::CUDAGuard guard(img.device());
     const auto fopts = img.options();
-    at::Tensor block_sums = at::empty({ssim_fwd_num_blocks(d)}, fopts);
-    at::Tensor mean = at::empty({}, fopts);
+    const int blocks = ssim_fwd_num_blocks(d);
+    at::Tensor block_sums = at::empty({with_l1 ? 2 * blocks : blocks}, fopts);
     at::Tensor partials = save_partials ? at::empty({d.batch, d.channels, 3, d.height, d.width}, fopts)
                                         : at::empty({0}, fopts);
     check_cuda(
@@ -70,18 +74,46 @@ std::vector<at::Tensor> ssim_fwd(const at::Tensor &img, const at::Tensor &gt, bo
             img.data_ptr<float>(),
             gt.data_ptr<float>(),
             block_sums.data_ptr<float>(),
-            mean.data_ptr<float>(),
+            with_l1 ? block_sums.data_ptr<float>() + blocks : nullptr,
+            ssim_lambda,
+            ssim.data_ptr<float>(),
+            with_l1 ? l1.data_ptr<float>() : nullptr,
+            with_l1 ? loss.data_ptr<float>() : nullptr,
             save_partials ? partials.data_ptr<float>() : nullptr,
             c10::cuda::getCurrentCUDAStream().stream()
         ),
         "fused SSIM forward"
     );
+    return partials;
+}
+
+} // namespace
+
+// img, gt [B,H,W,C] -> mean SSIM (a 0-dim tensor), and the per-pixel partial derivatives
+// [B,C,3,H,W] the backward needs (an empty tensor when save_partials is false).
+std::vector<at::Tensor> ssim_fwd(const at::Tensor &img, const at::Tensor &gt, bool save_partials) {
+    at::Tensor mean = at::empty({}, img.options());
+    at::Tensor unused;
+    at::Tensor partials = run_fwd(img, gt, save_partials, false, 0.0, mean, unused, unused);
     return {mean, partials};
 }
 
-// dL/dimg [B,H,W,C] for L = grad_out * mean SSIM; grad_out stays on the device (no host sync).
-at::Tensor ssim_bwd(
-    const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out
+// The 3DGS training loss in one pass: (1 - lambda) L1 + lambda (1 - SSIM), SSIM and L1 (0-dim
+// tensors each), and the partials for loss_bwd.
+std::vector<at::Tensor> loss_fwd(const at::Tensor &img, const at::Tensor &gt, double ssim_lambda, bool save_partials) {
+    TORCH_CHECK(ssim_lambda >= 0.0 && ssim_lambda <= 1.0, "ssim_lambda must be in [0, 1]");
+    at::Tensor loss = at::empty({}, img.options());
+    at::Tensor ssim = at::empty({}, img.options());
+    at::Tensor l1 = at::empty({}, img.options());
+    at::Tensor partials = run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss);
+    return {loss, ssim, l1, partials};
+}
+
+namespace {
+
+at::Tensor run_bwd(
+    const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out,
+    double ssim_weight, double l1_weight
 ) {
     const SsimDims d = dims_of(img, gt);
     TORCH_CHECK(partials.is_cuda() && partials.scalar_type() == at::kFloat && partials.is_contiguous(),
@@ -103,7 +135,8 @@ at::Tensor ssim_bwd(
             gt.data_ptr<float>(),
             partials.data_ptr<float>(),
             g.data_ptr<float>(),
-            (float)(1.0 / count),
+            (float)(ssim_weight / count),
+            (float)(l1_weight / count),
             grad_img.data_ptr<float>(),
             c10::cuda::getCurrentCUDAStream().stream()
         ),
@@ -112,11 +145,30 @@ at::Tensor ssim_bwd(
     return grad_img;
 }
 
+} // namespace
+
+// dL/dimg [B,H,W,C] for L = grad_out * mean SSIM; grad_out stays on the device (no host sync).
+at::Tensor ssim_bwd(
+    const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out
+) {
+    return run_bwd(img, gt, partials, grad_out, 1.0, 0.0);
+}
+
+// dL/dimg for L = grad_out * ((1 - lambda) L1 + lambda (1 - SSIM)).
+at::Tensor loss_bwd(
+    const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out,
+    double ssim_lambda
+) {
+    return run_bwd(img, gt, partials, grad_out, -ssim_lambda, 1.0 - ssim_lambda);
+}
+
 } // namespace gstrain
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ssim_fwd", &gstrain::ssim_fwd, "fused SSIM forward (mean, saved partial derivatives)");
     m.def("ssim_bwd", &gstrain::ssim_bwd, "fused SSIM backward (gradient of the rendered image)");
+    m.def("loss_fwd", &gstrain::loss_fwd, "fused L1 + SSIM loss forward (loss, SSIM, L1, partials)");
+    m.def("loss_bwd", &gstrain::loss_bwd, "fused L1 + SSIM loss backward (gradient of the rendered image)");
     m.attr("WINDOW") = gstrain::kSsimWindow;
     m.attr("SIGMA") = gstrain::kSsimSigma;
 }

@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(kThreads) ssim_fwd_kernel(
     const float *__restrict__ img,
     const float *__restrict__ gt,
     float *__restrict__ block_sums,
+    float *__restrict__ l1_block_sums,
     float *__restrict__ partials
 ) {
     __shared__ float s_x[kHaloH][kHaloW];
@@ -116,6 +117,7 @@ __global__ void __launch_bounds__(kThreads) ssim_fwd_kernel(
     const size_t centre = ((size_t)min(y0 + kTileH / 2, H - 1) * W + min(x0 + kTileW / 2, W - 1)) * C;
 
     float sum = 0.f;
+    float l1 = 0.f; // sum of |x - y| at this thread's pixel over channels (when asked for)
     for (int k = 0; k < C; ++k) {
         // 1. halo tile of channel k, shifted: x - kx inside, 0 - kx in the zero padding (the
         //    window's weights sum to 1, so the padding stays exact). The previous channel's
@@ -173,6 +175,10 @@ __global__ void __launch_bounds__(kThreads) ssim_fwd_kernel(
         if (inside) {
             const PixelSsim p = ssim_pixel(m, kx, ky);
             sum += p.s;
+            if (l1_block_sums != nullptr) {
+                const size_t o = ((size_t)py * W + px) * C + k; // unshifted: |x - y| exactly as torch
+                l1 += fabsf(img_b[o] - gt_b[o]);
+            }
             if (partials != nullptr) {
                 float *plane = partials + ((size_t)b * C + k) * 3 * hw + (size_t)py * W + px;
                 plane[0] = p.dm;
@@ -182,20 +188,47 @@ __global__ void __launch_bounds__(kThreads) ssim_fwd_kernel(
         }
     }
 
+    const size_t slot = ((size_t)b * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
     const float total = block_sum<float, kThreads>(s_red, tid, sum);
-    if (tid == 0) block_sums[((size_t)b * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = total;
+    if (tid == 0) block_sums[slot] = total;
+    if (l1_block_sums != nullptr) {
+        __syncthreads(); // s_red is reused
+        const float l1_total = block_sum<float, kThreads>(s_red, tid, l1);
+        if (tid == 0) l1_block_sums[slot] = l1_total;
+    }
 }
 
-// One block: the mean of the per-block sums, accumulated in double.
+// One block: the mean of the per-block sums, accumulated in double. With L1 sums it also writes
+// mean |x - y| and (1 - lambda) L1 + lambda (1 - SSIM), the training loss.
 __global__ void __launch_bounds__(kFinishThreads) ssim_finish_kernel(
-    const float *__restrict__ block_sums, const int n, const double inv_count, float *__restrict__ mean
+    const float *__restrict__ block_sums,
+    const float *__restrict__ l1_block_sums,
+    const int n,
+    const double inv_count,
+    const double ssim_lambda,
+    float *__restrict__ out_ssim,
+    float *__restrict__ out_l1,
+    float *__restrict__ out_loss
 ) {
     __shared__ double s_red[kFinishThreads];
     const int tid = threadIdx.x;
     double acc = 0.0;
     for (int i = tid; i < n; i += kFinishThreads) acc += (double)block_sums[i];
     const double total = block_sum<double, kFinishThreads>(s_red, tid, acc);
-    if (tid == 0) mean[0] = (float)(total * inv_count);
+    if (l1_block_sums == nullptr) {
+        if (tid == 0) out_ssim[0] = (float)(total * inv_count);
+        return;
+    }
+    __syncthreads(); // s_red is reused
+    double acc_l1 = 0.0;
+    for (int i = tid; i < n; i += kFinishThreads) acc_l1 += (double)l1_block_sums[i];
+    const double total_l1 = block_sum<double, kFinishThreads>(s_red, tid, acc_l1);
+    if (tid == 0) {
+        const double ssim = total * inv_count, l1 = total_l1 * inv_count;
+        out_ssim[0] = (float)ssim;
+        out_l1[0] = (float)l1;
+        out_loss[0] = (float)((1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - ssim));
+    }
 }
 
 __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
@@ -206,6 +239,7 @@ __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
     const float *__restrict__ partials,
     const float *__restrict__ grad_out,
     const float scale,
+    const float l1_scale,
     float *__restrict__ grad_img
 ) {
     __shared__ float s_p[3][kHaloH][kHaloW];
@@ -221,6 +255,7 @@ __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
     const size_t hw = (size_t)H * W;
     const size_t pix = (size_t)b * hw * C + ((size_t)py * W + px) * C; // only used when inside
     const float g = grad_out[0] * scale;
+    const float g_l1 = grad_out[0] * l1_scale; // 0 for SSIM alone
 
     for (int k = 0; k < C; ++k) {
         // the three planes of channel k; outside the image they are zero (the adjoint of the
@@ -269,7 +304,8 @@ __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
         if (inside) {
             const float xv = img[pix + k];
             const float yv = gt[pix + k];
-            grad_img[pix + k] = g * (fm + 2.f * xv * fs + yv * fc);
+            const float sign = (float)(xv > yv) - (float)(xv < yv); // d|x - y|/dx, 0 at x == y as torch
+            grad_img[pix + k] = g * (fm + 2.f * xv * fs + yv * fc) + g_l1 * sign;
         }
         // the next channel's staging writes s_p only: its horizontal pass comes after a barrier
         // that every thread reaches after this vertical pass
@@ -293,20 +329,26 @@ cudaError_t launch_ssim_fwd(
     const float *img,
     const float *gt,
     float *block_sums,
-    float *mean,
+    float *l1_block_sums,
+    double ssim_lambda,
+    float *out_ssim,
+    float *out_l1,
+    float *out_loss,
     float *partials,
     cudaStream_t stream
 ) {
     if (d.batch <= 0 || d.height <= 0 || d.width <= 0 || d.channels <= 0) return cudaErrorInvalidValue;
     const dim3 grid = tile_grid(d);
     const dim3 block(kTileW, kTileH);
-    ssim_fwd_kernel<<<grid, block, 0, stream>>>(d, taps, img, gt, block_sums, partials);
+    ssim_fwd_kernel<<<grid, block, 0, stream>>>(d, taps, img, gt, block_sums, l1_block_sums, partials);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     const double count = (double)d.batch * d.height * d.width * d.channels;
     const dim3 one(1);
     const dim3 finish_block(kFinishThreads);
-    ssim_finish_kernel<<<one, finish_block, 0, stream>>>(block_sums, ssim_fwd_num_blocks(d), 1.0 / count, mean);
+    ssim_finish_kernel<<<one, finish_block, 0, stream>>>(
+        block_sums, l1_block_sums, ssim_fwd_num_blocks(d), 1.0 / count, ssim_lambda, out_ssim, out_l1, out_loss
+    );
     return cudaGetLastError();
 }
 
@@ -318,13 +360,14 @@ cudaError_t launch_ssim_bwd(
     const float *partials,
     const float *grad_out,
     float scale,
+    float l1_scale,
     float *grad_img,
     cudaStream_t stream
 ) {
     if (d.batch <= 0 || d.height <= 0 || d.width <= 0 || d.channels <= 0) return cudaErrorInvalidValue;
     const dim3 grid = tile_grid(d);
     const dim3 block(kTileW, kTileH);
-    ssim_bwd_kernel<<<grid, block, 0, stream>>>(d, taps, img, gt, partials, grad_out, scale, grad_img);
+    ssim_bwd_kernel<<<grid, block, 0, stream>>>(d, taps, img, gt, partials, grad_out, scale, l1_scale, grad_img);
     return cudaGetLastError();
 }
 

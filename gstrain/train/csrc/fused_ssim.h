@@ -26,22 +26,29 @@ struct SsimDims {
 // Number of per-block partial sums the forward writes (the length of `block_sums`).
 int ssim_fwd_num_blocks(const SsimDims &d);
 
-// Forward: SSIM map summed per block into `block_sums`, then reduced to the mean (`mean`, one
-// float). With `partials` (else nullptr) also the per-pixel dSSIM/dmu1, dSSIM/dsigma1^2 and
-// dSSIM/dsigma12, planar [batch, channels, 3, height, width], which the backward filters.
+// Forward: SSIM map summed per block into `block_sums`, then reduced to the mean (out_ssim).
+// With `l1_block_sums` (else nullptr, same length) also mean |img - gt| (out_l1) and the 3DGS
+// loss (1 - lambda) L1 + lambda (1 - SSIM) (out_loss); each out_* is one float. With `partials` (else nullptr) also the
+// per-pixel dSSIM/dmu1, dSSIM/dsigma1^2 and dSSIM/dsigma12, planar [batch, channels, 3, height,
+// width], which the backward filters.
 cudaError_t launch_ssim_fwd(
     const SsimDims &d,
     const SsimTaps &taps,
     const float *img,
     const float *gt,
     float *block_sums,
-    float *mean,
+    float *l1_block_sums,
+    double ssim_lambda,
+    float *out_ssim,
+    float *out_l1,
+    float *out_loss,
     float *partials,
     cudaStream_t stream
 );
 
-// Backward: grad_img = grad_out[0] * scale * (G*dm + 2 img G*ds + gt G*dc), G the same window.
-// grad_out is a device pointer, so the upstream gradient is never read on the host.
+// Backward: grad_img = grad_out[0] * (scale * (G*dm + 2 img G*ds + gt G*dc) + l1_scale *
+// sign(img - gt)), G the same window (l1_scale 0 for SSIM alone). grad_out is a device pointer,
+// so the upstream gradient is never read on the host.
 cudaError_t launch_ssim_bwd(
     const SsimDims &d,
     const SsimTaps &taps,
@@ -50,6 +57,7 @@ cudaError_t launch_ssim_bwd(
     const float *partials,
     const float *grad_out,
     float scale,
+    float l1_scale,
     float *grad_img,
     cudaStream_t stream
 );

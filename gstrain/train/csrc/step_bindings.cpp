@@ -1,0 +1,131 @@
+// PyTorch bindings of the training-step kernels: checks, batching, and the launches.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "step_ops.h"
+
+namespace gstrain {
+namespace {
+
+void check_float_cuda(const at::Tensor &t, const char *name, const at::Device &device) {
+    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
+    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " has dtype ", t.scalar_type(), ", expected float32");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_cuda(cudaError_t err, const char *what) {
+    TORCH_CHECK(err == cudaSuccess, "gstrain: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+} // namespace
+
+// One Adam step over every tensor in the lists (lists index-aligned), in ceil(n / 8) launches.
+// step_sizes[i] = lr_i / (1 - beta1^step_i); inv_sqrt_bc2[i] = 1 / sqrt(1 - beta2^step_i).
+// With `visible` ([N] bool), rows of Gaussians that are not visible are left untouched.
+void adam_step(
+    const std::vector<at::Tensor> &params,
+    const std::vector<at::Tensor> &grads,
+    const std::vector<at::Tensor> &exp_avgs,
+    const std::vector<at::Tensor> &exp_avg_sqs,
+    const std::vector<double> &step_sizes,
+    const std::vector<double> &inv_sqrt_bc2,
+    double beta1,
+    double beta2,
+    double eps,
+    const std::optional<at::Tensor> &visible
+) {
+    const size_t n = params.size();
+    TORCH_CHECK(
+        grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && step_sizes.size() == n &&
+            inv_sqrt_bc2.size() == n,
+        "adam_step: the lists must have the same length"
+    );
+    if (n == 0) return;
+    const at::Device device = params[0].device();
+    int64_t gaussians = -1;
+    const bool *visible_ptr = nullptr;
+    if (visible.has_value() && visible->defined()) {
+        TORCH_CHECK(visible->is_cuda() && visible->device() == device, "visible must be on ", device);
+        TORCH_CHECK(visible->scalar_type() == at::kBool && visible->dim() == 1 && visible->is_contiguous(),
+                    "visible must be a contiguous [N] bool tensor");
+        gaussians = visible->size(0);
+        visible_ptr = visible->data_ptr<bool>();
+    }
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    const int64_t per_block = adam_block_elements();
+    for (size_t start = 0; start < n; start += kMaxAdamTensors) {
+        AdamBatch batch{};
+        batch.beta1 = (float)beta1;
+        batch.beta2 = (float)beta2;
+        batch.eps = (float)eps;
+        batch.visible = visible_ptr;
+        batch.first_block[0] = 0;
+        int count = 0;
+        for (size_t i = start; i < n && count < kMaxAdamTensors; ++i, ++count) {
+            const at::Tensor &p = params[i];
+            check_float_cuda(p, "param", device);
+            check_float_cuda(grads[i], "grad", device);
+            check_float_cuda(exp_avgs[i], "exp_avg", device);
+            check_float_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+            const int64_t numel = p.numel();
+            TORCH_CHECK(grads[i].numel() == numel && exp_avgs[i].numel() == numel && exp_avg_sqs[i].numel() == numel,
+                        "adam_step: tensor ", i, " and its gradient or state differ in size");
+            int64_t row = 1;
+            if (visible_ptr != nullptr) {
+                TORCH_CHECK(p.dim() >= 1 && p.size(0) == gaussians,
+                            "adam_step: tensor ", i, " has ", p.size(0), " rows but visible has ", gaussians);
+                row = gaussians > 0 ? numel / gaussians : 1;
+            }
+            AdamTensor &t = batch.tensors[count];
+            t.param = p.data_ptr<float>();
+            t.grad = grads[i].data_ptr<float>();
+            t.exp_avg = exp_avgs[i].data_ptr<float>();
+            t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+            t.numel = numel;
+            t.row = row > 0 ? row : 1;
+            t.step_size = (float)step_sizes[i];
+            t.inv_sqrt_bc2 = (float)inv_sqrt_bc2[i];
+            batch.first_block[count + 1] = batch.first_block[count] + (numel + per_block - 1) / per_block;
+        }
+        batch.count = count;
+        TORCH_CHECK(batch.first_block[count] <= std::numeric_limits<int>::max(), "adam_step: too many elements");
+        check_cuda(launch_adam(batch, stream), "fused Adam");
+    }
+}
+
+// DefaultStrategy's running statistics for one camera, in place: grad2d and count [N] float32.
+void grad2d_stats(
+    const at::Tensor &grad, const at::Tensor &radii, double scale_x, double scale_y, at::Tensor &grad2d,
+    at::Tensor &count
+) {
+    const at::Device device = grad.device();
+    check_float_cuda(grad, "grad", device);
+    check_float_cuda(grad2d, "grad2d", device);
+    check_float_cuda(count, "count", device);
+    TORCH_CHECK(radii.is_cuda() && radii.device() == device && radii.scalar_type() == at::kInt && radii.is_contiguous(),
+                "radii must be a contiguous int32 tensor on ", device);
+    const int64_t n = grad2d.numel();
+    TORCH_CHECK(grad.numel() == 2 * n && radii.numel() == 2 * n && count.numel() == n,
+                "grad2d_stats: expected grad and radii [N, 2] and grad2d, count [N]");
+    const c10::cuda::CUDAGuard guard(device);
+    check_cuda(
+        launch_grad2d_stats(
+            n, grad.data_ptr<float>(), radii.data_ptr<int32_t>(), (float)scale_x, (float)scale_y,
+            grad2d.data_ptr<float>(), count.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()
+        ),
+        "densification statistics"
+    );
+}
+
+} // namespace gstrain
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("adam_step", &gstrain::adam_step, "multi-tensor Adam step (one launch per 8 tensors)");
+    m.def("grad2d_stats", &gstrain::grad2d_stats, "DefaultStrategy grad2d/count update without a host sync");
+}

@@ -1,0 +1,55 @@
+// Host-visible interface of the training-step kernels: one multi-tensor Adam launch, and the
+// densification statistics gsplat's DefaultStrategy keeps, without a host sync. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace gstrain {
+
+// One launch updates up to this many tensors (a Gaussian model has six); more are chunked.
+constexpr int kMaxAdamTensors = 8;
+
+// One parameter tensor and its Adam state, all float32, contiguous, `numel` elements.
+// `row` = elements per Gaussian (3 for means, 45 for shN), used only with a visibility mask.
+struct AdamTensor {
+    float *param;
+    const float *grad;
+    float *exp_avg;
+    float *exp_avg_sq;
+    int64_t numel;
+    int64_t row;
+    float step_size;    // lr / (1 - beta1^step)
+    float inv_sqrt_bc2; // 1 / sqrt(1 - beta2^step)
+};
+
+struct AdamBatch {
+    AdamTensor tensors[kMaxAdamTensors];
+    int64_t first_block[kMaxAdamTensors + 1]; // block range of tensor i: [first_block[i], first_block[i+1])
+    int count;
+    float beta1;
+    float beta2;
+    float eps;
+    const bool *visible; // [N] or nullptr: when set, Gaussians off screen keep parameter and moments
+};
+
+// Elements one block updates.
+int64_t adam_block_elements();
+
+cudaError_t launch_adam(const AdamBatch &batch, cudaStream_t stream);
+
+// grad2d[i] += |(grad[i].x * scale_x, grad[i].y * scale_y)| and count[i] += 1 for every Gaussian
+// whose radii are both > 0 (DefaultStrategy's running statistics for one camera).
+cudaError_t launch_grad2d_stats(
+    int64_t n,
+    const float *grad,   // [n, 2]
+    const int32_t *radii, // [n, 2]
+    float scale_x,
+    float scale_y,
+    float *grad2d, // [n]
+    float *count,  // [n]
+    cudaStream_t stream
+);
+
+} // namespace gstrain

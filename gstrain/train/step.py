@@ -1,0 +1,95 @@
+"""One optimisation step: render -> loss -> backward -> Adam -> densification bookkeeping.
+
+Shared by the trainer and `gstrain profile`, so the profile times exactly the step `gstrain fit`
+runs, with the same speed switches:
+  render.atomic_mode   our rasterizer's backward reduction (arc), or gsplat's rasterizer
+  train.fused_ssim     the fused SSIM kernel instead of PyTorch convolutions
+  optim.fused_adam     one launch of our multi-tensor Adam instead of six torch Adam steps
+  optim.sparse_adam    only the Gaussians drawn this step are updated
+  strategy.fast_stats  DefaultStrategy's statistics without its three host syncs a step
+Nothing here reads a value back from the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gstrain.config import Config
+from gstrain.render import Renderer
+from gstrain.train.losses import photometric_loss
+from gstrain.train.strategy import Densifier
+from gstrain.train.timing import PhaseTimer
+
+
+@dataclass
+class StepResult:
+    loss: Tensor  # detached, on the device
+    terms: dict[str, Tensor]  # detached loss terms
+    image: Tensor  # the render [H, W, 3], detached
+    changed: bool  # densification may have changed the set of Gaussians
+
+
+class StepRunner:
+    """Runs training steps on a parameter dict and its per-tensor optimizers (both owned by the caller)."""
+
+    def __init__(self, cfg: Config, renderer: Renderer, densifier: Densifier, timer: PhaseTimer,
+                 device: torch.device) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.renderer = renderer
+        self.densifier = densifier
+        self.timer = timer
+        self.fused_adam = None
+        if device.type == "cuda" and cfg.optim.fused_adam:
+            from gstrain.train.fused_adam import FusedAdam
+
+            self.fused_adam = FusedAdam()
+        self.sparse_adam = bool(cfg.optim.sparse_adam) and self.fused_adam is not None
+
+    def run(
+        self,
+        params: torch.nn.ParameterDict,
+        optimizers: dict[str, torch.optim.Optimizer],
+        step: int,
+        viewmat: Tensor,
+        K: Tensor,
+        gt: Tensor,
+        sh_degree: int,
+        background: Tensor | None,
+        scheduler: Any = None,
+    ) -> StepResult:
+        timer = self.timer
+        height, width = gt.shape[:2]
+        with timer.phase("forward"):
+            image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
+        self.densifier.pre_backward(params, optimizers, step, info)
+        with timer.phase("loss"):
+            loss, terms = photometric_loss(image, gt, self.cfg.train.ssim_lambda)
+            reg = self.densifier.mcmc_regularisers(params)
+            if reg is not None:
+                loss = loss + reg
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            self.optimizer_step(optimizers, info)
+            if scheduler is not None:
+                scheduler.step()
+        with timer.phase("densify"):
+            means_lr = optimizers["means"].param_groups[0]["lr"]
+            changed = self.densifier.post_backward(params, optimizers, step, info, means_lr)
+        if changed:
+            self.renderer.gaussians_changed()
+        timer.step_done()
+        return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed)
+
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], info: dict[str, Any]) -> None:
+        if self.fused_adam is None:
+            for opt in optimizers.values():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return
+        visible = (info["radii"] > 0).all(dim=-1)[0] if self.sparse_adam else None
+        self.fused_adam.step(optimizers, visible)
