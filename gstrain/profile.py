@@ -252,15 +252,15 @@ def run_profile(
 ) -> dict[str, Any]:
     """Profile rasterizer modes side by side or, with `switches`, the speed switches one by one
     (each turned off alone, and all off) with the rasterizer mode `modes[0]`."""
-    if not torch.cuda.is_available():
-        raise UserError("gstrain profile times our CUDA kernels and needs a CUDA GPU")
-    for mode in modes:
+    for mode in modes:  # bad flags first: they are wrong on any machine
         if mode not in PROFILE_MODES:
             raise UserError(f"--atomic-mode must be one of {', '.join(PROFILE_MODES)} or all; got '{mode}'")
     if iters < 1 or warmup < 0:
         raise UserError("--iters must be >= 1 and --warmup >= 0")
     if switches and len(modes) != 1:
         raise UserError("--switches profiles one rasterizer mode: pass --atomic-mode with one mode (e.g. arc)")
+    if not torch.cuda.is_available():
+        raise UserError("gstrain profile times our CUDA kernels and needs a CUDA GPU")
     cfg = build_config(config_files)
     device = torch.device("cuda")
     work = load_workload(target, cfg, device, npz_scale, factor)

@@ -16,6 +16,8 @@ import pytest
 import torch
 from cli_util import assert_user_error, run_cli
 
+from gstrain.train.checkpoint import list_checkpoints
+
 FAST = ["--set", "log.progress_every=10", "--set", "model.sh_degree=1"]
 
 
@@ -110,6 +112,13 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert (run / "config.yaml").is_file() and (run / "ckpt" / "step_300.pt").is_file()
     assert (run / "point_cloud" / "iteration_300" / "point_cloud.ply").is_file()
     assert any((run / "tb").iterdir())
+    # where the time went: per-phase means, host time, wall clock per step
+    phases = summary["phase_ms_per_step"]
+    assert {"data", "forward", "loss", "backward", "optimizer", "densify"} <= set(phases)
+    assert all(v > 0 for v in phases.values())
+    assert set(summary["host_ms_per_step"]) == set(phases)
+    assert summary["wall_ms_per_step"] >= sum(phases[k] for k in ("data", "forward", "loss", "backward"))
+    assert [s for s, _ in list_checkpoints(run)] == [200, 300]  # background writes, keep=2
 
     proc = run_cli("eval", run)
     assert proc.returncode == 0, proc.stderr
@@ -192,3 +201,10 @@ def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_profile_needs_a_gpu(demo_scene):
     assert_user_error(run_cli("profile", demo_scene), "needs a CUDA GPU")
+    assert_user_error(run_cli("profile", demo_scene, "--switches"), "needs a CUDA GPU")
+
+
+def test_profile_bad_flags(demo_scene):
+    assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "fast"), "--atomic-mode must be one of")
+    assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer mode")
+    assert_user_error(run_cli("profile", demo_scene, "--iters", "0"), "--iters must be >= 1")

@@ -80,6 +80,19 @@ def test_profile_command_on_demo(demo_scene, tmp_path):
     assert "speedup vs gsplat" in proc.stdout
 
 
+def test_profile_switches_on_demo(demo_scene, tmp_path):
+    proc = run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc", "--iters", "10", "--warmup", "2",
+                   "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["switches"] is True
+    assert list(report["median_ms"]) == ["all on", "gsplat raster", "conv SSIM", "torch Adam", "gsplat stats",
+                                         "baseline"]
+    for label, med in report["median_ms"].items():
+        assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
+    assert "step (wall clock) speedup vs baseline" in proc.stdout
+
+
 def test_render_on_cuda_png_frames(demo_scene, tmp_path):
     run = tmp_path / "run"
     assert run_cli("fit", demo_scene, "--out", run, "--steps", "30", "--device", "cuda").returncode == 0

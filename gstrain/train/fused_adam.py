@@ -68,7 +68,12 @@ class FusedAdam:
                 and (visible is None or (p.dim() >= 1 and p.shape[0] == visible.shape[0]))
             )  # fmt: skip
             if not eligible:
-                opt.step()  # anything unusual takes torch's own path
+                # anything unusual takes torch's own path; its fused kernel wants `step` on the
+                # parameter's device, where FusedAdam keeps it on the host
+                state = opt.state.get(p)
+                if state and group.get("fused") and torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(p.device)
+                opt.step()
                 opt.zero_grad(set_to_none=True)
                 continue
             beta1, beta2 = betas
