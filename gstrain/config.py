@@ -72,7 +72,7 @@ class StrategyConfig:
     refine_start: int = 500
     refine_stop: int = 15_000
     refine_every: int = 100
-    reset_every: int = 3000
+    reset_every: int = 3000  # has no effect with gsplat 1.5.3: its reset condition is always false
     grow_grad2d: float = 2e-4
     grow_scale3d: float = 0.01
     prune_opa: float = 0.005
