@@ -128,6 +128,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class WorkloadSteps:
+    """The trainer's own step (StepRunner) on a workload's Gaussians and views, built from `cfg`.
+
+    Densification keeps its per-step bookkeeping but never changes the set of Gaussians, so
+    every configuration measured on a workload sees the same population.
+    """
+
+    def __init__(self, work: Workload, cfg: Config) -> None:
+        from gstrain.render import Renderer
+        from gstrain.train.fused_ssim import install_ssim_impl
+        from gstrain.train.optim import build_optimizers
+        from gstrain.train.step import StepRunner
+        from gstrain.train.strategy import Densifier
+        from gstrain.train.timing import PhaseTimer
+
+        self.work = work
+        self.device = work.targets[0].device
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.strategy.refine_start = 10**9
+        self.params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
+        self.optimizers = build_optimizers(self.params, run_cfg.optim, work.extent)
+        renderer = Renderer(run_cfg.render, self.device, absgrad=run_cfg.strategy.absgrad)
+        install_ssim_impl(self.device, run_cfg.train.fused_ssim)  # the loss this configuration trains with
+        self.timer = PhaseTimer(self.device)
+        self.runner = StepRunner(run_cfg, renderer, Densifier(run_cfg.strategy, work.extent, self.device),
+                                 self.timer, self.device)  # fmt: skip
+        self.tuner = renderer.tuner
+        self.background = torch.zeros(3, device=self.device)
+        self.step = 0
+
+    def __call__(self) -> None:
+        """One training step on the next view."""
+        work, i = self.work, self.step
+        viewmat, K, _, _ = work.cameras[i % len(work.cameras)]
+        self.runner.run(self.params, self.optimizers, i, viewmat, K, work.targets[i % len(work.targets)],
+                        work.sh_degree, self.background)  # fmt: skip
+        self.step += 1
+
+
 def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window: int = 10) -> dict[str, list[float]]:
     """Per-window phase times (ms per step) of `iters` training steps run with `cfg`.
 
@@ -136,43 +175,17 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
     (wall clock per step) and `host` (host time per step) as they would in training. The phase
     rows are CUDA events: GPU time, plus any time the GPU waited for the host inside a phase.
     """
-    from gstrain.render import Renderer
-    from gstrain.train.fused_ssim import install_ssim_impl
-    from gstrain.train.optim import build_optimizers
-    from gstrain.train.step import StepRunner
-    from gstrain.train.strategy import Densifier
-    from gstrain.train.timing import PhaseTimer
-
-    device = work.targets[0].device
-    run_cfg = copy.deepcopy(cfg)
-    # bookkeeping on every step, but the set of Gaussians never changes while we measure
-    run_cfg.strategy.refine_start = 10**9
-    params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
-    optimizers = build_optimizers(params, run_cfg.optim, work.extent)
-    densifier = Densifier(run_cfg.strategy, work.extent, device)
-    renderer = Renderer(run_cfg.render, device, absgrad=run_cfg.strategy.absgrad)
-    install_ssim_impl(device, run_cfg.train.fused_ssim)  # the loss this configuration trains with
-    timer = PhaseTimer(device)
-    runner = StepRunner(run_cfg, renderer, densifier, timer, device)
-    background = torch.zeros(3, device=device)
-    tuner = renderer.tuner
-    step = 0
-
-    def one_step() -> None:
-        nonlocal step
-        viewmat, K, _, _ = work.cameras[step % len(work.cameras)]
-        gt = work.targets[step % len(work.targets)]
-        runner.run(params, optimizers, step, viewmat, K, gt, work.sh_degree, background)
-        step += 1
+    one_step = WorkloadSteps(work, cfg)
+    device, timer, tuner = one_step.device, one_step.timer, one_step.tuner
 
     # warm-up: lazy loading, allocator growth, and (arc) one full tuning round
-    while step < warmup or (tuner is not None and tuner.tuning):
+    while one_step.step < warmup or (tuner is not None and tuner.tuning):
         one_step()
         _sync(device)
         timer.summary()
         if tuner is not None:
             tuner.poll()
-        if step > warmup + 10_000:
+        if one_step.step > warmup + 10_000:
             raise RuntimeError("the ARC tuner never finished tuning")
     samples: dict[str, list[float]] = {}
     measured = 0

@@ -301,13 +301,15 @@ class Trainer:
                 self.step += 1
                 step = self.step
                 logging = step % cfg.log.tb_every == 0
-                train_psnr = psnr(image, gt) if logging or step % cfg.log.progress_every == 0 else None
-                if step % cfg.log.progress_every == 0 or step == total:
+                progress = step % cfg.log.progress_every == 0 or step == total
+                # train PSNR only when someone reads it: four launches saved on the other steps
+                train_psnr = psnr(image, gt) if logging or progress else None
+                if progress:
                     loss_value = float(loss)  # the one host sync per progress_every steps
                     if not math.isfinite(loss_value):
                         status = "nan"
                         break
-                    last_psnr = float(train_psnr) if train_psnr is not None else float(psnr(image, gt))
+                    last_psnr = float(train_psnr)
                     bar.set_postfix(
                         loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}",
                         gaussians=len(self.params["means"]), mem=_memory_text(self.device),
