@@ -10,6 +10,7 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
   sparse-adam   gstrain plus Adam over the visible Gaussians only
 
     python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
+    python3 scripts/bench_train.py --report DIR [DIR ...]   (the tables again, from the per-run JSONs)
 
 Float atomics make runs diverge (densification differs), hence several seeds and medians.
 """
@@ -43,7 +44,7 @@ PIPELINES = {
 STEP_PHASES = ("data", "forward", "loss", "backward", "optimizer", "densify")  # top-level phases
 
 
-def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
+def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str], commit: str | None) -> dict:
     run_dir = out / f"{mode}_seed{seed}"
     cmd = [sys.executable, "-m", "gstrain", "fit", str(scene), "--out", str(run_dir), "--steps", str(steps),
            "--seed", str(seed), "--device", "cuda", *PIPELINES[mode], *extra]
@@ -53,68 +54,140 @@ def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: lis
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "train_summary.json").read_text())
-    summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2))
+    summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2), commit=commit)
     (out / f"{mode}_seed{seed}.json").write_text(json.dumps(summary, indent=2))  # kept if a later run dies
     return summary
 
 
-def median_spread(values: list[float]) -> str:
+def median_spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    if not values:
+        return "–"
     if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+        return fmt.format(values[0])
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{fmt.format(mid)} ({fmt.format(lo)}–{fmt.format(hi)})"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def psnr_at(run: dict, step: int) -> float | None:
+    for point in run.get("test_history") or []:
+        if point["step"] == step:
+            return point["psnr"]
+    return None
+
+
+def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """The per-run JSONs under `dirs`. The first run of each (pipeline, seed) counts towards the
+    medians; later ones (the same seed again) are repeats: they show the run-to-run spread."""
+    runs, repeats, seen = [], [], set()
+    for d in dirs:
+        for path in sorted(d.glob("*_seed*.json")):
+            run = json.loads(path.read_text())
+            run.setdefault("source", d.name)
+            key = (run["mode"], run["seed"])
+            (repeats if key in seen else runs).append(run)
+            seen.add(key)
+    return runs, repeats
+
+
+def report(runs: list[dict], repeats: list[dict] = ()) -> None:
+    """Markdown tables: medians (spread) per pipeline, every run, per-phase time, the targets."""
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+
+    def of(mode: str, key, rows=runs) -> list[float]:
+        vals = [key(r) if callable(key) else r.get(key) for r in rows if r["mode"] == mode]
+        return [float(v) for v in vals if v is not None]
+
+    print("| pipeline | seeds | train loop s | wall ms / step | test PSNR | test SSIM | Gaussians | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in modes:
+        seeds = ",".join(str(r["seed"]) for r in runs if r["mode"] == mode)
+        print(f"| {mode} | {seeds} | {median_spread(of(mode, 'seconds'), '{:.1f}')} | "
+              f"{median_spread(of(mode, 'wall_ms_per_step'))} | {median_spread(of(mode, 'final_test_psnr'))} | "
+              f"{median_spread(of(mode, 'final_test_ssim'), '{:.3f}')} | "
+              f"{median_spread(of(mode, 'num_gaussians'), '{:,.0f}')} | "
+              f"{median_spread(of(mode, 'peak_gpu_memory_gib'), '{:.3f}')} |")
+
+    print("\n| pipeline, seed | train loop s | wall ms / step | test PSNR 7k → final | train PSNR | SSIM "
+          "| Gaussians | peak GiB | commit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted([*runs, *repeats], key=lambda r: (r["seed"], modes.index(r["mode"]) if r["mode"] in modes else 0)):
+        tag = " (repeat)" if any(r is x for x in repeats) else ""
+        at7k = psnr_at(r, 7000)
+        train = r.get("final_train_psnr")
+        print(f"| {r['mode']}, {r['seed']}{tag} | {r['seconds']:.1f} | {r['wall_ms_per_step']:.2f} | "
+              f"{'–' if at7k is None else f'{at7k:.2f}'} → {r['final_test_psnr']:.2f} | "
+              f"{'–' if train is None else f'{train:.2f}'} | {r['final_test_ssim']:.3f} | "
+              f"{r['num_gaussians']:,} | {r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r['source']} |")
+
+    print("\nper-phase ms per step, GPU events (host ms), median over seeds:")
+    print("| phase | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
+    phases = list(dict.fromkeys(k for r in runs for k in (r.get("phase_ms_per_step") or {})))
+    for ph in phases:
+        cells = []
+        for mode in modes:
+            gpu = of(mode, lambda r, ph=ph: (r.get("phase_ms_per_step") or {}).get(ph))
+            host = of(mode, lambda r, ph=ph: (r.get("host_ms_per_step") or {}).get(ph))
+            cell = f"{statistics.median(gpu):.2f}" if gpu else "–"
+            cells.append(cell + (f" ({statistics.median(host):.2f})" if host else ""))
+        print(f"| {ph} | " + " | ".join(cells) + " |")
+
+    if "baseline" not in modes:
+        return
+    base_time = statistics.median(of("baseline", "seconds"))
+    base_psnr = statistics.median(of("baseline", "final_test_psnr"))
+    base_mem = statistics.median(of("baseline", "peak_gpu_memory_gib"))
+    print("\ntargets (medians against the baseline's):")
+    for mode in modes:
+        if mode == "baseline":
+            continue
+        ratio = statistics.median(of(mode, "seconds")) / base_time
+        dpsnr = statistics.median(of(mode, "final_test_psnr")) - base_psnr
+        mem = statistics.median(of(mode, "peak_gpu_memory_gib"))
+        print(f"- {mode}: time {ratio:.3f}x ({'met' if ratio <= 0.5 else 'not met'} for <= 0.5x), "
+              f"test PSNR {dpsnr:+.2f} dB ({'met' if dpsnr >= -0.1 else 'not met'} for >= -0.1 dB), "
+              f"peak memory {mem:.3f} vs {base_mem:.3f} GiB ({'met' if mem <= base_mem else 'not met'})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scene", type=Path)
+    ap.add_argument("scene", type=Path, nargs="?")
     ap.add_argument("--steps", type=int, default=7000)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--pipelines", default="baseline,gstrain", help=", ".join(PIPELINES))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "bench_train")
     ap.add_argument("--extra", default="", help="extra flags for gstrain fit, space-separated")
+    ap.add_argument("--commit", default=None, help="recorded in each run's JSON (default: git HEAD)")
+    ap.add_argument("--report", type=Path, nargs="+", metavar="DIR",
+                    help="print the tables from the per-run JSONs in these folders; runs nothing")
     args = ap.parse_args()
+    if args.report:
+        report(*load_runs(args.report))
+        return
+    if args.scene is None:
+        ap.error("a scene is needed (or --report DIR ...)")
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.pipelines.split(",")
     unknown = [m for m in modes if m not in PIPELINES]
     if unknown:
         raise SystemExit(f"unknown pipeline(s) {unknown}; choose from {', '.join(PIPELINES)}")
+    commit = args.commit or git_commit()
     rows = []
     for seed in seeds:
         for mode in modes:  # interleaved, so drift of the machine hits every mode alike
-            rows.append(run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split()))
+            rows.append(run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit))
             r = rows[-1]
             print(f"{mode} seed {seed}: {r['seconds']:.1f}s train loop, PSNR {r['final_test_psnr']:.2f}, "
                   f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
     (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
-    print("\n| pipeline | train loop s | test PSNR | test SSIM | Gaussians | peak GiB |\n|---|---|---|---|---|---|")
-    medians = {}
-    for mode in modes:
-        rs = [r for r in rows if r["mode"] == mode]
-        medians[mode] = statistics.median(r["seconds"] for r in rs)
-        print(f"| {mode} | {median_spread([r['seconds'] for r in rs])} | "
-              f"{median_spread([r['final_test_psnr'] for r in rs])} | "
-              f"{median_spread([r['final_test_ssim'] for r in rs])} | "
-              f"{median_spread([float(r['num_gaussians']) for r in rs])} | "
-              f"{median_spread([r['peak_gpu_memory_gib'] for r in rs])} |")
-    if "baseline" in medians:
-        for mode in modes:
-            print(f"{mode}: {medians[mode] / medians['baseline']:.3f}x the baseline's training time (medians)")
-    print("\nper-phase ms per step (median over seeds):")
-    phases = sorted({k for r in rows for k in (r.get("phase_ms_per_step") or {})})
-    print("| phase | " + " | ".join(modes) + " |\n|---" * 1 + "|---" * len(modes) + "|")
-    for ph in phases:
-        cells = []
-        for mode in modes:
-            vals = [r["phase_ms_per_step"][ph] for r in rows if r["mode"] == mode and r.get("phase_ms_per_step")]
-            cells.append(f"{statistics.median(vals):.3f}" if vals else "-")
-        print(f"| {ph} | " + " | ".join(cells) + " |")
-    for key in ("host_ms_per_step", "wall_ms_per_step"):
-        cells = []
-        for mode in modes:
-            vals = [r[key] for r in rows if r["mode"] == mode and r.get(key) is not None]
-            vals = [sum(v.get(p, 0.0) for p in STEP_PHASES) if isinstance(v, dict) else v for v in vals]
-            cells.append(f"{statistics.median(vals):.3f}" if vals else "-")
-        print(f"| {key.removesuffix('_per_step')} | " + " | ".join(cells) + " |")
+    report(rows)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,12 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert summary["status"] == "done" and summary["steps"] == 300
     # Training must clearly beat the initial point-cloud render on held-out views.
     assert summary["final_test_psnr"] > summary["initial_test_psnr"] + 4.0, summary
+    # the test curve: step 0 and the last step (the final figures are the last evaluation's)
+    history = summary["test_history"]
+    assert [h["step"] for h in history] == [0, 300]
+    assert history[0]["psnr"] == summary["initial_test_psnr"]
+    assert (history[-1]["psnr"], history[-1]["ssim"]) == (summary["final_test_psnr"], summary["final_test_ssim"])
+    assert summary["final_train_psnr"] > summary["initial_test_psnr"] + 4.0  # a training view, same bar
     assert (run / "config.yaml").is_file() and (run / "ckpt" / "step_300.pt").is_file()
     assert (run / "point_cloud" / "iteration_300" / "point_cloud.ply").is_file()
     assert any((run / "tb").iterdir())

@@ -41,6 +41,7 @@ class FitResult:
     initial_test_psnr: float | None
     final_test_psnr: float | None
     checkpoint: Path | None
+    final_train_psnr: float | None = None  # on the last progress step's training view
 
 
 class ViewSampler:
@@ -157,6 +158,7 @@ class Trainer:
         self.phase_ms_sum: dict[str, float] = {}  # over logged windows, for the run summary
         self.host_ms_sum: dict[str, float] = {}
         self.phase_steps = 0
+        self.test_history: list[dict[str, float]] = []  # this process's test evaluations
         self._first_step = 0
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
@@ -287,6 +289,7 @@ class Trainer:
         initial = self.evaluate_test() if start_step == 0 else None
         if initial is not None:
             self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
+            self.test_history.append({"step": 0, **initial})
         eval_steps = set(cfg.log.eval_steps) | {total}
         save_steps = set(cfg.log.save_steps) | {total}
         last_psnr = float("nan")
@@ -320,6 +323,7 @@ class Trainer:
                 if step in eval_steps:
                     metrics = self.evaluate_test()
                     if metrics is not None:
+                        self.test_history.append({"step": step, **metrics})
                         self._tb().add_scalar("test/psnr", metrics["psnr"], step)
                         self._tb().add_scalar("test/ssim", metrics["ssim"], step)
                         self._log_test_renders(step)
@@ -349,11 +353,15 @@ class Trainer:
             where = f"last good checkpoint: {good[-1][1]}" if good else "no checkpoint had been written yet"
             self.log(f"gstrain: loss became NaN by step {self.step}; stopped. {where}")
             ckpt = good[-1][1] if good else None
-        final = self.evaluate_test() if status == "done" else None
+        final = None
+        if status == "done":  # the loop's own evaluation of the last step, when it made one
+            last = self.test_history[-1] if self.test_history else None
+            final = last if last is not None and last["step"] == self.step else self.evaluate_test()
         result = FitResult(
             status=status, step=self.step, seconds=seconds, num_gaussians=len(self.params["means"]),
             initial_test_psnr=initial["psnr"] if initial else None,
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
+            final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
         )
         self._write_summary(result, final)
         if self.writer is not None:
@@ -406,6 +414,8 @@ class Trainer:
             "initial_test_psnr": result.initial_test_psnr,
             "final_test_psnr": result.final_test_psnr,
             "final_test_ssim": final["ssim"] if final else None,
+            "final_train_psnr": result.final_train_psnr,
+            "test_history": self.test_history,  # {step, psnr, ssim} at step 0 and every evaluation
             "backend": self.renderer.backend,
             "atomic_mode": self.cfg.render.atomic_mode if self.renderer.backend == "cuda" else None,
             "atomic_threshold": self.renderer.atomic_threshold,
