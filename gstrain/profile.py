@@ -8,6 +8,7 @@ changes the Gaussian set, so all modes see the same population. Timings are CUDA
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import statistics
 import time
@@ -44,6 +45,7 @@ TABLE_ROWS = (
     ("step total (GPU events)", "total"),
     ("host time", "host"),
     ("step wall clock", "wall"),
+    ("peak memory (GiB)", "peak_gib"),
 )
 
 
@@ -175,6 +177,7 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
     (wall clock per step) and `host` (host time per step) as they would in training. The phase
     rows are CUDA events: GPU time, plus any time the GPU waited for the host inside a phase.
     """
+    gc.collect()  # the previous configuration's tensors, so that its memory is not counted here
     one_step = WorkloadSteps(work, cfg)
     device, timer, tuner = one_step.device, one_step.timer, one_step.tuner
 
@@ -188,6 +191,8 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
         if one_step.step > warmup + 10_000:
             raise RuntimeError("the ARC tuner never finished tuning")
     samples: dict[str, list[float]] = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     measured = 0
     while measured < iters:
         n = min(window, iters - measured)
@@ -205,6 +210,8 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
         measured += n
     if tuner is not None:
         samples["arc_threshold"] = [float(tuner.threshold)]
+    if device.type == "cuda":  # the workload's own tensors included: the same in every configuration
+        samples["peak_gib"] = [torch.cuda.max_memory_allocated(device) / 2**30]
     return samples
 
 
@@ -312,6 +319,7 @@ def run_profile(
         for mode, med in medians.items():
             for _, key in TABLE_ROWS:
                 if med.get(key) is not None:
-                    writer.add_scalar(f"profile_ms/{key}/{mode.replace(' ', '_')}", med[key], 0)
+                    group = "profile_gib" if key == "peak_gib" else "profile_ms"
+                    writer.add_scalar(f"{group}/{key}/{mode.replace(' ', '_')}", med[key], 0)
     report["out_dir"] = str(out_dir)
     return report

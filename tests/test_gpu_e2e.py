@@ -90,7 +90,8 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
                                          "baseline"]
     for label, med in report["median_ms"].items():
         assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
-    assert "step (wall clock) speedup vs baseline" in proc.stdout
+        assert 0 < med["peak_gib"] < 139, label
+    assert "step (wall clock) speedup vs baseline" in proc.stdout and "peak memory (GiB)" in proc.stdout
 
 
 def test_render_on_cuda_png_frames(demo_scene, tmp_path):
