@@ -38,8 +38,9 @@ def where(frames: list[dict[str, Any]]) -> str:
 
 
 def peak_blocks(trace: list[dict[str, Any]]) -> tuple[int, dict[str, int]]:
-    """Replay an allocator trace: the most bytes live at once among the blocks it allocated, and
-    those blocks' bytes grouped by `where` they were allocated."""
+    """Replay an allocator trace: the most bytes live at once relative to the start (blocks from
+    before the recording count when freed), and the blocks allocated in the trace that were live
+    then, grouped by `where` they were allocated."""
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
     at_peak: dict[int, tuple[int, str]] = {}
@@ -52,6 +53,8 @@ def peak_blocks(trace: list[dict[str, Any]]) -> tuple[int, dict[str, int]]:
                 peak, at_peak = total, dict(live)
         elif action in ("free_requested", "free_completed") and addr in live:
             total -= live.pop(addr)[0]
+        elif action == "free_requested":  # a block from before the recording (old parameters, say)
+            total -= size
     groups: dict[str, int] = defaultdict(int)
     for size, origin in at_peak.values():
         groups[origin] += size
@@ -63,6 +66,7 @@ def record_step(step: WorkloadSteps) -> tuple[int, int, dict[str, int]]:
     device = step.device
     torch.cuda.synchronize(device)
     resident = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     step()
     torch.cuda.synchronize(device)
@@ -97,7 +101,8 @@ def main() -> None:
         for kind in ("plain step", "refine step"):
             resident, peak, groups = record_step(step)
             print(f"\n{label}, {kind}: resident before it {resident / MIB:.1f} MiB, its peak on top "
-                  f"{peak / MIB:.1f} MiB, {len(step.params['means'])} Gaussians after it")
+                  f"{peak / MIB:.1f} MiB (max_memory_allocated {torch.cuda.max_memory_allocated() / MIB:.1f} MiB), "
+                  f"{len(step.params['means'])} Gaussians after it")
             for origin, size in sorted(groups.items(), key=lambda kv: -kv[1])[: args.rows]:
                 print(f"  {size / MIB:8.1f} MiB  {origin}")
         del step, strategy
