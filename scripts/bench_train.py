@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
               f"{median_spread(of(mode, 'peak_gpu_memory_gib'), '{:.3f}')} |")
 
     print("\n| pipeline, seed | train loop s | wall ms / step | test PSNR 7k → final | train PSNR | SSIM "
-          "| Gaussians | peak GiB | commit |")
+          "| Gaussians (most) | peak GiB | commit |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in sorted([*runs, *repeats], key=lambda r: (r["seed"], modes.index(r["mode"]) if r["mode"] in modes else 0)):
         tag = " (repeat)" if any(r is x for x in repeats) else ""
@@ -125,7 +126,8 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
         print(f"| {r['mode']}, {r['seed']}{tag} | {r['seconds']:.1f} | {r['wall_ms_per_step']:.2f} | "
               f"{'–' if at7k is None else f'{at7k:.2f}'} → {r['final_test_psnr']:.2f} | "
               f"{'–' if train is None else f'{train:.2f}'} | {r['final_test_ssim']:.3f} | "
-              f"{r['num_gaussians']:,} | {r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r['source']} |")
+              f"{r['num_gaussians']:,}{f' ({most:,})' if (most := r.get('max_gaussians')) else ''} | "
+              f"{r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r['source']} |")
 
     print("\nper-phase ms per step, GPU events (host ms), median over seeds:")
     print("| phase | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
@@ -154,6 +156,28 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
         print(f"- {mode}: time {ratio:.3f}x ({'met' if ratio <= 0.5 else 'not met'} for <= 0.5x), "
               f"test PSNR {dpsnr:+.2f} dB ({'met' if dpsnr >= -0.1 else 'not met'} for >= -0.1 dB), "
               f"peak memory {mem:.3f} vs {base_mem:.3f} GiB ({'met' if mem <= base_mem else 'not met'})")
+        print_psnr_spread(runs, mode)
+
+
+def print_psnr_spread(runs: list[dict], mode: str, resamples: int = 10_000) -> None:
+    """How far seed noise goes: seed-for-seed PSNR differences, and a bootstrap over seeds of the
+    difference of medians (each pipeline's runs resampled with replacement)."""
+    base = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == "baseline"}
+    ours = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == mode}
+    diffs = [ours[seed] - base[seed] for seed in sorted(base.keys() & ours.keys())]
+    if diffs:
+        print(f"  test PSNR, {mode} - baseline seed for seed: {', '.join(f'{d:+.2f}' for d in diffs)} dB; "
+              f"mean {statistics.mean(diffs):+.2f}, median {statistics.median(diffs):+.2f}")
+    if len(base) < 3 or len(ours) < 3:
+        return
+    rng = random.Random(0)
+    a, b = list(ours.values()), list(base.values())
+    boot = sorted(
+        statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
+        for _ in range(resamples)
+    )
+    lo, hi = boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
+    print(f"  difference of median test PSNR, 90% seed-bootstrap interval: [{lo:+.2f}, {hi:+.2f}] dB")
 
 
 def main() -> None:

@@ -115,6 +115,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert history[0]["psnr"] == summary["initial_test_psnr"]
     assert (history[-1]["psnr"], history[-1]["ssim"]) == (summary["final_test_psnr"], summary["final_test_ssim"])
     assert summary["final_train_psnr"] > summary["initial_test_psnr"] + 4.0  # a training view, same bar
+    assert summary["max_gaussians"] >= summary["num_gaussians"] > 0
     assert (run / "config.yaml").is_file() and (run / "ckpt" / "step_300.pt").is_file()
     assert (run / "point_cloud" / "iteration_300" / "point_cloud.ply").is_file()
     assert any((run / "tb").iterdir())

@@ -159,6 +159,7 @@ class Trainer:
         self.host_ms_sum: dict[str, float] = {}
         self.phase_steps = 0
         self.test_history: list[dict[str, float]] = []  # this process's test evaluations
+        self.max_gaussians = 0  # the most Gaussians after any step of this process (peak memory follows it)
         self._first_step = 0
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
@@ -275,6 +276,8 @@ class Trainer:
             self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
             scheduler=self.scheduler,
         )
+        if result.changed:  # the count is known on the host: no sync
+            self.max_gaussians = max(self.max_gaussians, len(self.params["means"]))
         return result.loss, result.terms, result.image, gt
 
     def fit(self, resume: bool = False) -> FitResult:
@@ -286,6 +289,7 @@ class Trainer:
         total = cfg.train.steps
         start_step = self.step
         self._first_step = start_step
+        self.max_gaussians = len(self.params["means"])
         initial = self.evaluate_test() if start_step == 0 else None
         if initial is not None:
             self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
@@ -411,6 +415,7 @@ class Trainer:
             "steps": result.step,
             "seconds": round(result.seconds, 2),
             "num_gaussians": result.num_gaussians,
+            "max_gaussians": max(self.max_gaussians, result.num_gaussians),
             "initial_test_psnr": result.initial_test_psnr,
             "final_test_psnr": result.final_test_psnr,
             "final_test_ssim": final["ssim"] if final else None,

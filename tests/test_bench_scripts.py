@@ -1,0 +1,78 @@
+"""The pure parts of the benchmark scripts: bench_train's report from saved runs, memory_step's replay."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_run(mode: str, seed: int, seconds: float, psnr: float, gib: float) -> dict:
+    return {
+        "mode": mode, "seed": seed, "seconds": seconds, "wall_ms_per_step": seconds / 30.0,
+        "final_test_psnr": psnr, "final_test_ssim": 0.9, "num_gaussians": 1000, "peak_gpu_memory_gib": gib,
+        "phase_ms_per_step": {"loss": 1.0}, "host_ms_per_step": {"loss": 0.5},
+        "test_history": [{"step": 0, "psnr": 8.0, "ssim": 0.1}, {"step": 7000, "psnr": psnr + 1, "ssim": 0.9}],
+    }  # fmt: skip
+
+
+def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
+    bench = load_script("bench_train")
+    first, second = tmp_path / "c1", tmp_path / "c2"
+    first.mkdir()
+    second.mkdir()
+    runs = [("baseline", 0, 200.0, 21.0, 1.0), ("baseline", 1, 240.0, 20.0, 0.9), ("baseline", 2, 260.0, 22.0, 1.1),
+            ("gstrain", 0, 100.0, 20.95, 0.8), ("gstrain", 1, 130.0, 19.0, 0.95), ("gstrain", 2, 90.0, 23.0, 0.7)]
+    for mode, seed, *figures in runs:
+        (first / f"{mode}_seed{seed}.json").write_text(json.dumps(fake_run(mode, seed, *figures)))
+    # the same seed again in a later folder: listed, but not part of the medians
+    (second / "gstrain_seed0.json").write_text(json.dumps(fake_run("gstrain", 0, 1000.0, 5.0, 9.0)))
+
+    counted, repeats = bench.load_runs([first, second])
+    assert len(counted) == 6 and [(r["mode"], r["seed"]) for r in repeats] == [("gstrain", 0)]
+    bench.report(counted, repeats)
+    out = capsys.readouterr().out
+    # medians: time 100 / 240, PSNR 20.95 vs 21.0 (-0.05 dB), memory 0.8 vs 1.0 GiB
+    assert "gstrain: time 0.417x (met for <= 0.5x), test PSNR -0.05 dB (met for >= -0.1 dB), " \
+           "peak memory 0.800 vs 1.000 GiB (met)" in out
+    assert "| gstrain, 0 (repeat) | 1000.0 |" in out
+    assert "gstrain - baseline seed for seed: -0.05, -1.00, +1.00 dB; mean -0.02, median -0.05" in out
+    interval = out.split("90% seed-bootstrap interval: [")[1].split("]")[0]
+    lo, hi = (float(x) for x in interval.replace(" dB", "").split(", "))
+    assert -4.0 <= lo <= -0.05 <= hi <= 3.0  # medians of resampled runs can differ by at most the ranges
+    assert "| baseline, 1 | 240.0 | 8.00 | 21.00 → 20.00 |" in out  # the 7k point from the test curve
+
+    # a worse seed 0 moves the medians past both bars
+    (first / "gstrain_seed0.json").write_text(json.dumps(fake_run("gstrain", 0, 125.0, 20.5, 1.2)))
+    bench.report(*bench.load_runs([first]))
+    assert "gstrain: time 0.521x (not met for <= 0.5x), test PSNR -0.50 dB (not met for >= -0.1 dB), " \
+           "peak memory 0.950 vs 1.000 GiB (met)" in capsys.readouterr().out
+
+
+def test_memory_step_replay_counts_frees_of_older_blocks():
+    memory = load_script("memory_step")
+    ours = [{"filename": "/usr/lib/torch/autograd.py", "line": 1, "name": "apply"},
+            {"filename": "/repo/gstrain/train/step.py", "line": 75, "name": "run"}]
+    other = [{"filename": "/repo/gstrain/render/cuda.py", "line": 271, "name": "splat_colors"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "free_requested", "addr": 50, "size": 60},  # a block from before the recording
+        {"action": "free_completed", "addr": 50, "size": 60},
+        {"action": "alloc", "addr": 2, "size": 30, "frames": other},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 20, "frames": other},
+    ]
+    peak, groups = memory.peak_blocks(trace)
+    assert peak == 100  # 100 at the first alloc; then 100 - 60 + 30 = 70, then 70 - 100 + 20
+    # the innermost frame of ours names the block, not torch's own frame
+    assert groups == {"/repo/gstrain/train/step.py:75 run": 100}
