@@ -159,7 +159,7 @@ class Trainer:
         self.host_ms_sum: dict[str, float] = {}
         self.phase_steps = 0
         self.test_history: list[dict[str, float]] = []  # this process's test evaluations
-        self.max_gaussians = 0  # the most Gaussians after any step of this process (peak memory follows it)
+        self.max_gaussians = 0  # the most Gaussians in this process's fit (peak memory follows it)
         self._first_step = 0
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
@@ -415,7 +415,7 @@ class Trainer:
             "steps": result.step,
             "seconds": round(result.seconds, 2),
             "num_gaussians": result.num_gaussians,
-            "max_gaussians": max(self.max_gaussians, result.num_gaussians),
+            "max_gaussians": self.max_gaussians,  # set at the start of fit, raised on every change
             "initial_test_psnr": result.initial_test_psnr,
             "final_test_psnr": result.final_test_psnr,
             "final_test_ssim": final["ssim"] if final else None,
