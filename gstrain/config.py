@@ -72,7 +72,7 @@ class StrategyConfig:
     refine_start: int = 500
     refine_stop: int = 15_000
     refine_every: int = 100
-    reset_every: int = 3000  # has no effect with gsplat 1.5.3: its reset condition is always false
+    reset_every: int = 3000  # opacities reset to 2 x prune_opa every N steps until refine_stop
     grow_grad2d: float = 2e-4
     grow_scale3d: float = 0.01
     prune_opa: float = 0.005
@@ -231,6 +231,9 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"render.atomic_threshold must be 1..32; got {cfg.render.atomic_threshold}")
     if len(cfg.data.background) != 3:
         raise UserError("data.background must be three numbers (RGB in 0..1)")
+    for key in ("refine_every", "reset_every"):
+        if getattr(cfg.strategy, key) < 1:
+            raise UserError(f"strategy.{key} must be >= 1; got {getattr(cfg.strategy, key)}")
     if cfg.log.time_every < 1:
         raise UserError(f"log.time_every must be >= 1; got {cfg.log.time_every}")
     if not 0.0 <= cfg.train.ssim_lambda <= 1.0:

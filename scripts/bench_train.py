@@ -3,7 +3,8 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
 
   baseline   what a gsplat user runs: gsplat's projection and rasterize_to_pixels (forward and
              backward), L1 + SSIM as PyTorch convolutions, torch.optim.Adam(fused=True) per tensor,
-             gsplat's DefaultStrategy as is, checkpoints only at the end
+             gsplat's DefaultStrategy (with the opacity reset that gsplat 1.5.3 skips, as 1.5.2
+             and gsplat's main do it; both pipelines), checkpoints only at the end
   gstrain    `gstrain fit` defaults, every speed feature on (ARC rasterizer, fused SSIM, one-launch
              Adam, sync-free densification statistics), checkpoints every 1000 steps
   gsplat-raster, conv-ssim, torch-adam, gsplat-stats   gstrain with that one feature off

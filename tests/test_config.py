@@ -43,6 +43,8 @@ def test_bad_values_are_errors():
         build_config(overrides=[{"render": {"atomic_mode": "fast"}}])
     with pytest.raises(UserError, match="train.device"):
         build_config(overrides=[{"train": {"device": "tpu"}}])
+    with pytest.raises(UserError, match="strategy.reset_every must be >= 1; got 0"):
+        build_config(overrides=[{"strategy": {"reset_every": 0}}])
     with pytest.raises(UserError, match="section.key=value"):
         parse_override("steps=3")
     with pytest.raises(UserError, match="not found"):

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
 from gsplat.strategy import DefaultStrategy, MCMCStrategy
+from gsplat.strategy.ops import reset_opa
 
 from gstrain.config import StrategyConfig
 from gstrain.errors import UserError
+
+
+@functools.cache
+def gsplat_skips_opacity_reset() -> bool:
+    """True for gsplat 1.5.3, whose DefaultStrategy never resets opacities.
+
+    It tests `step % reset_every == 0 & step > 0`, which Python reads as the chained comparison
+    `step % reset_every == (0 & step) > 0`, and `0 > 0` is false (gsplat issue #797, fixed
+    upstream by PR #776). 1.5.2 and gsplat's main reset as 3DGS does, so the Densifier applies
+    gsplat's own `reset_opa` on that schedule when the installed version carries the typo.
+    """
+    return "== 0 & step > 0" in inspect.getsource(DefaultStrategy.step_post_backward)
 
 
 class FastStatsStrategy(DefaultStrategy):
@@ -99,7 +114,15 @@ class Densifier:
             self.strategy.step_post_backward(params, optimizers, self.state, step, info, lr=means_lr)
         else:
             self.strategy.step_post_backward(params, optimizers, self.state, step, info, packed=False)
+            if self.resets_at(step) and gsplat_skips_opacity_reset():
+                reset_opa(params=params, optimizers=optimizers, state=self.state, value=2.0 * self.cfg.prune_opa)
         return self.refines_at(step)
+
+    def resets_at(self, step: int) -> bool:
+        """DefaultStrategy resets opacities (to 2 x prune_opa) after step `step` when 0 < step <
+        refine_stop and step % reset_every == 0, as gsplat's fixed condition reads."""
+        c = self.cfg
+        return not self.is_mcmc and 0 < step < c.refine_stop and step % c.reset_every == 0
 
     def refines_at(self, step: int) -> bool:
         """gsplat refines after step `step` when step > start, step % every == 0, step < stop."""
