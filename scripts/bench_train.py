@@ -11,7 +11,8 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
   sparse-adam   gstrain plus Adam over the visible Gaussians only
 
     python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
-    python3 scripts/bench_train.py --report DIR [DIR ...]   (the tables again, from the per-run JSONs)
+    python3 scripts/bench_train.py --report DIR [DIR ...] [--seeds 0,1,2]
+        (the tables again, from the per-run JSONs; only those seeds' runs with --seeds)
 
 Float atomics make runs diverge (densification differs), hence several seeds and medians.
 """
@@ -85,13 +86,16 @@ def psnr_at(run: dict, step: int) -> float | None:
     return None
 
 
-def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
-    """The per-run JSONs under `dirs`. The first run of each (pipeline, seed) counts towards the
-    medians; later ones (the same seed again) are repeats: they show the run-to-run spread."""
+def load_runs(dirs: list[Path], seeds: list[int] | None = None) -> tuple[list[dict], list[dict]]:
+    """The per-run JSONs under `dirs` (only those of `seeds`, if given). The first run of each
+    (pipeline, seed) counts towards the medians; later ones (the same seed again) are repeats:
+    they show the run-to-run spread."""
     runs, repeats, seen = [], [], set()
     for d in dirs:
         for path in sorted(d.glob("*_seed*.json")):
             run = json.loads(path.read_text())
+            if seeds is not None and run["seed"] not in seeds:
+                continue
             run.setdefault("source", d.name)
             key = (run["mode"], run["seed"])
             (repeats if key in seen else runs).append(run)
@@ -185,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scene", type=Path, nargs="?")
     ap.add_argument("--steps", type=int, default=7000)
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2; with --report, all)")
     ap.add_argument("--pipelines", default="baseline,gstrain", help=", ".join(PIPELINES))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "bench_train")
     ap.add_argument("--extra", default="", help="extra flags for gstrain fit, space-separated")
@@ -193,12 +197,13 @@ def main() -> None:
     ap.add_argument("--report", type=Path, nargs="+", metavar="DIR",
                     help="print the tables from the per-run JSONs in these folders; runs nothing")
     args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     if args.report:
-        report(*load_runs(args.report))
+        report(*load_runs(args.report, seeds))
         return
     if args.scene is None:
         ap.error("a scene is needed (or --report DIR ...)")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = seeds or [0, 1, 2]
     modes = args.pipelines.split(",")
     unknown = [m for m in modes if m not in PIPELINES]
     if unknown:

@@ -57,6 +57,13 @@ def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
     assert "gstrain: time 0.521x (not met for <= 0.5x), test PSNR -0.50 dB (not met for >= -0.1 dB), " \
            "peak memory 0.950 vs 1.000 GiB (met)" in capsys.readouterr().out
 
+    # only seeds 1 and 2: time 110 / 250, PSNR 21.0 vs 21.0, memory 0.825 vs 1.0
+    counted, repeats = bench.load_runs([first, second], seeds=[1, 2])
+    assert sorted({r["seed"] for r in counted}) == [1, 2] and repeats == []
+    bench.report(counted, repeats)
+    assert "gstrain: time 0.440x (met for <= 0.5x), test PSNR +0.00 dB (met for >= -0.1 dB), " \
+           "peak memory 0.825 vs 1.000 GiB (met)" in capsys.readouterr().out
+
 
 def test_memory_step_replay_counts_frees_of_older_blocks():
     memory = load_script("memory_step")
