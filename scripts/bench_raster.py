@@ -144,7 +144,7 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
             g_alphas, g_last, v_image, v_alpha, False,
         )  # fmt: skip
 
-    # same function as gsplat's kernel here: opacities < 0.99 keep both alpha caps inactive
+    # the same function as gsplat's kernel (both cap alpha at 0.999; these opacities stay below it)
     ours_g = ours(1, False)()
     peer_g = peer()
     check = {

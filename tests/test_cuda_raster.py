@@ -126,6 +126,11 @@ def intersect(s: Scene, tile_size: int = 16) -> tuple[Tensor, Tensor]:
     return isect_offset_encode(isect_ids, c, tw, th), flatten_ids
 
 
+def input_leaves(s: Scene) -> dict[str, Tensor]:
+    """The rasterizer's float inputs as fresh leaves that collect gradients."""
+    return {k: getattr(s, k).clone().requires_grad_(True) for k in ("means2d", "conics", "colors", "opacities")}
+
+
 def run_cuda(
     s: Scene, mode: str, absgrad: bool = False, threshold: int = 8, vector: bool | None = None, tuner=None
 ) -> dict[str, Tensor]:
@@ -133,12 +138,7 @@ def run_cuda(
     from gstrain.render.cuda import rasterize_cuda
 
     offsets, flatten_ids = intersect(s)
-    leaves = {
-        "means2d": s.means2d.clone().requires_grad_(True),
-        "conics": s.conics.clone().requires_grad_(True),
-        "colors": s.colors.clone().requires_grad_(True),
-        "opacities": s.opacities.clone().requires_grad_(True),
-    }
+    leaves = input_leaves(s)
     if s.background is not None:
         leaves["background"] = s.background.clone().requires_grad_(True)
     if mode == "arc" and tuner is None:
@@ -224,7 +224,7 @@ def scene_big_and_tiny(seed: int = 3) -> Scene:
 
 
 def scene_saturated(seed: int = 4) -> Scene:
-    # many opaque layers: pixels hit the 1e-4 transmittance stop and the 0.99 alpha cap
+    # many opaque layers: pixels hit the 1e-4 transmittance stop and the 0.999 alpha cap
     return make_scene(600, 40, 33, seed, opacity_range=(0.9, 1.0))
 
 
@@ -336,6 +336,33 @@ def test_forward_is_deterministic_and_writes_every_pixel() -> None:
     assert torch.isfinite(image).all() and torch.isfinite(alpha).all()
     assert torch.allclose(alpha[..., 0], 1 - t_final)
     assert int(last.max()) < flatten_ids.numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# rasterize_cuda vs gsplat's rasterize_to_pixels: `--atomic-mode gsplat` is a speed switch, so
+# the two must train the same model; opaque Gaussians (where the alpha cap bites) included
+
+
+def run_gsplat(s: Scene) -> dict[str, Tensor]:
+    from gsplat import rasterize_to_pixels
+
+    offsets, flatten_ids = intersect(s)
+    leaves = input_leaves(s)
+    image, alpha = rasterize_to_pixels(
+        leaves["means2d"], leaves["conics"], leaves["colors"], leaves["opacities"], s.width, s.height, 16,
+        offsets, flatten_ids,
+    )  # fmt: skip
+    ((image * s.w_image).sum() + (alpha * s.w_alpha).sum()).backward()
+    out = {"image": image.detach(), "alpha": alpha.detach()}
+    out.update({f"d_{k}": v.grad for k, v in leaves.items()})
+    return out
+
+
+@pytest.mark.parametrize("opacity_range", [(0.05, 0.95), (0.99, 1.0)], ids=["translucent", "opaque"])
+@pytest.mark.parametrize("mode", ["atomic", "arc"])
+def test_matches_gsplat_rasterizer(mode: str, opacity_range: tuple[float, float]) -> None:
+    s = make_scene(600, 40, 33, seed=60, opacity_range=opacity_range)
+    compare(run_cuda(s, mode), run_gsplat(s), f"gsplat {opacity_range}/{mode}")
 
 
 # ---------------------------------------------------------------------------------------------

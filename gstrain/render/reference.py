@@ -1,7 +1,7 @@
 """Pure-PyTorch reference renderer: the CPU training path and the ground truth for our kernels.
 
 Everything follows docs/CONVENTIONS.md exactly (projection as gsplat's fully_fused_projection,
-per-tile compositing with the 1/255 skip, the 0.99 alpha cap and the exclusive 1e-4 stop rule).
+per-tile compositing with the 1/255 skip, gsplat's 0.999 alpha cap and the exclusive 1e-4 stop rule).
 
 Rasterization cost follows the overlaps, not pixels x Gaussians:
 - (tile, Gaussian) pairs by CONVENTIONS' tile rule, sorted by (tile, depth), stably;
@@ -32,7 +32,7 @@ from gstrain.render.sh import num_sh_bases, sh_to_color
 
 __all__ = ["Projection", "project_gaussians", "rasterize", "render_reference", "sh_to_color"]
 
-ALPHA_MAX = 0.99
+ALPHA_MAX = 0.999  # gsplat's cap (the original 3DGS uses 0.99)
 ALPHA_MIN = 1.0 / 255.0
 T_MIN = 1e-4
 RADIUS_SIGMAS = 3.33
@@ -343,7 +343,7 @@ def _segment_fast(
     mean [Tc,B,2], conic [Tc,B,3], opac [Tc,B], col [Tc,B,C], px/py [Tc,S] pixel centres,
     t_in [Tc,P] the running transmittance before them (0 where the pixel has stopped).
     Masks become thresholds and in-place ops (torch.where and bool->float casts are several times
-    slower than arithmetic on CPU); every decision (sigma >= 0, alpha >= 1/255, the 0.99 cap,
+    slower than arithmetic on CPU); every decision (sigma >= 0, alpha >= 1/255, the alpha cap,
     T >= 1e-4) is made on the same values as in _chunk_autograd. bufs: optional storage
     (_segment_numel elements) for the intermediates the backward reuses.
     """
@@ -366,7 +366,7 @@ def _segment_fast(
     # sigma < 0 -> +inf: exp gives 0, so the 1/255 test below skips it as the rule says
     F.threshold_(sig, _below(0.0, dt), math.inf)
     sig.neg_().exp_().mul_(opac[:, None, None, :])  # now raw = o exp(-sigma)
-    # opacity <= 0.99 everywhere here: the cap cannot bite (exp(-sigma) <= 1), skip it
+    # opacity <= ALPHA_MAX everywhere here: the cap cannot bite (exp(-sigma) <= 1), skip it
     capped = bool(opac.max() > ALPHA_MAX)
     alpha = torch.clamp_max(raw, ALPHA_MAX, out=w) if capped else w.copy_(raw)
     F.threshold_(alpha, _below(ALPHA_MIN, dt), 0.0)
@@ -488,7 +488,7 @@ class _RasterizeFn(torch.autograd.Function):
             behind.index_add_(0, act, ws_tot)
             h = rest.addcmul_(f["t_run"], sc, value=-1).div_(f["om"])  # = -dL/dalpha
             # gradient reaches raw = o exp(-sigma) only where alpha was composited (w > 0; this
-            # covers the 1/255 skip and the stop rule) and not capped at 0.99
+            # covers the 1/255 skip and the stop rule) and not capped at ALPHA_MAX
             live = torch.sign(w)
             if f["capped"]:
                 live.mul_(torch.sub(raw, ALPHA_MAX).relu_().sign_().neg_().add_(1.0))

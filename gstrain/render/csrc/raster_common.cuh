@@ -8,8 +8,9 @@
 
 namespace gstrain {
 
-// CONVENTIONS.md compositing constants.
-constexpr float kAlphaMax = 0.99f;
+// CONVENTIONS.md compositing constants. The alpha cap is gsplat's 0.999 (the original 3DGS
+// kernel uses 0.99): with gsplat's rasterizer as the other backend, both must train the same model.
+constexpr float kAlphaMax = 0.999f;
 constexpr float kAlphaMin = 1.0f / 255.0f;
 constexpr float kTransmittanceMin = 1e-4f;
 
@@ -22,7 +23,7 @@ constexpr int kMaxThreads = 256;
 struct SplatEval {
     float dx, dy; // mean - pixel centre
     float vis;    // exp(-sigma)
-    float alpha;  // min(0.99, opacity * vis)
+    float alpha;  // min(kAlphaMax, opacity * vis)
 };
 
 // False when the Gaussian is skipped at this pixel (sigma < 0 or alpha < 1/255).
