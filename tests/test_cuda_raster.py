@@ -224,7 +224,8 @@ def scene_big_and_tiny(seed: int = 3) -> Scene:
 
 
 def scene_saturated(seed: int = 4) -> Scene:
-    # many opaque layers: pixels hit the 1e-4 transmittance stop and the 0.999 alpha cap
+    # many opaque layers: pixels hit the 1e-4 transmittance stop; alphas come near the 0.999 cap
+    # (test_matches_gsplat_rasterizer has an opaque scene where the cap bites)
     return make_scene(600, 40, 33, seed, opacity_range=(0.9, 1.0))
 
 
