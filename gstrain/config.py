@@ -98,6 +98,9 @@ class LogConfig:
     save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports
     ckpt_every: int = 1000  # full checkpoints, so a crash or NaN loses at most this many steps
     keep_ckpts: int = 2
+    # at the end, also score every training view: a view the model never fitted shows a failed
+    # fit, where a low test score alone could be overfitting
+    eval_train_views: bool = False
 
 
 @dataclass

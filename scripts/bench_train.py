@@ -13,6 +13,8 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
     python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
     python3 scripts/bench_train.py --report DIR [DIR ...] [--seeds 0,1,2]
         (the tables again, from the per-run JSONs; only those seeds' runs with --seeds)
+    python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0-7 --pipelines gstrain,conv-ssim --jobs 4
+        (quality only: several runs share the GPU at once, so their times are not speed figures)
 
 Float atomics make runs diverge (densification differs), hence several seeds and medians.
 """
@@ -20,6 +22,7 @@ Float atomics make runs diverge (densification differs), hence several seeds and
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import random
@@ -47,17 +50,24 @@ PIPELINES = {
 STEP_PHASES = ("data", "forward", "loss", "backward", "optimizer", "densify")  # top-level phases
 
 
-def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str], commit: str | None) -> dict:
+# Every pipeline scores all training views after its loop (outside the timed part): a view the
+# model never fitted tells a failed run from an overfitted one.
+COMMON = ["--set", "log.eval_train_views=true"]
+
+
+def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str], commit: str | None,
+            jobs: int = 1) -> dict:
     run_dir = out / f"{mode}_seed{seed}"
     cmd = [sys.executable, "-m", "gstrain", "fit", str(scene), "--out", str(run_dir), "--steps", str(steps),
-           "--seed", str(seed), "--device", "cuda", *PIPELINES[mode], *extra]
+           "--seed", str(seed), "--device", "cuda", *COMMON, *PIPELINES[mode], *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "train_summary.json").read_text())
-    summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2), commit=commit)
+    # concurrent_jobs > 1: the GPU was shared, so the run's times are no speed figure
+    summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2), commit=commit, concurrent_jobs=jobs)
     (out / f"{mode}_seed{seed}.json").write_text(json.dumps(summary, indent=2))  # kept if a later run dies
     return summary
 
@@ -124,15 +134,19 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
     print("\n| pipeline, seed | train loop s | wall ms / step | test PSNR 7k → final | train PSNR | SSIM "
           "| Gaussians (most) | peak GiB | commit |")
     print("|---|---|---|---|---|---|---|---|---|")
+    # train PSNR: all training views' mean (worst view) where scored, else the last logged view
     for r in sorted([*runs, *repeats], key=lambda r: (r["seed"], modes.index(r["mode"]) if r["mode"] in modes else 0)):
         tag = " (repeat)" if any(r is x for x in repeats) else ""
         at7k = psnr_at(r, 7000)
+        views = r.get("final_train_views")
         train = r.get("final_train_psnr")
+        train_cell = (f"{views['psnr']:.2f} ({views['min_psnr']:.2f})" if views
+                      else '–' if train is None else f"{train:.2f}")
         print(f"| {r['mode']}, {r['seed']}{tag} | {r['seconds']:.1f} | {r['wall_ms_per_step']:.2f} | "
               f"{'–' if at7k is None else f'{at7k:.2f}'} → {r['final_test_psnr']:.2f} | "
-              f"{'–' if train is None else f'{train:.2f}'} | {r['final_test_ssim']:.3f} | "
+              f"{train_cell} | {r['final_test_ssim']:.3f} | "
               f"{r['num_gaussians']:,}{f' ({most:,})' if (most := r.get('max_gaussians')) else ''} | "
-              f"{r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r['source']} |")
+              f"{r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r.get('source') or '–'} |")
 
     print("\nper-phase ms per step, GPU events (host ms), median over seeds:")
     print("| phase | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
@@ -146,6 +160,10 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
             cells.append(cell + (f" ({statistics.median(host):.2f})" if host else ""))
         print(f"| {ph} | " + " | ".join(cells) + " |")
 
+    shared = sorted({r.get("concurrent_jobs") or 1 for r in [*runs, *repeats]} - {1})
+    if shared:
+        print(f"\nnote: runs made with --jobs {'/'.join(map(str, shared))} shared the GPU; "
+              "their times are not speed figures")
     if "baseline" not in modes:
         return
     base_time = statistics.median(of("baseline", "seconds"))
@@ -162,6 +180,7 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
               f"test PSNR {dpsnr:+.2f} dB ({'met' if dpsnr >= -0.1 else 'not met'} for >= -0.1 dB), "
               f"peak memory {mem:.3f} vs {base_mem:.3f} GiB ({'met' if mem <= base_mem else 'not met'})")
         print_psnr_spread(runs, mode)
+        print_scatter_test([*runs, *repeats], mode)
 
 
 def print_psnr_spread(runs: list[dict], mode: str, resamples: int = 10_000) -> None:
@@ -185,6 +204,42 @@ def print_psnr_spread(runs: list[dict], mode: str, resamples: int = 10_000) -> N
     print(f"  difference of median test PSNR, 90% seed-bootstrap interval: [{lo:+.2f}, {hi:+.2f}] dB")
 
 
+def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
+    """One-sided permutation p-value that `ours` scatters more than `base` (Brown-Forsythe: the
+    mean absolute deviation from each sample's own median, labels shuffled)."""
+    dev_ours = [abs(v - statistics.median(ours)) for v in ours]
+    dev_base = [abs(v - statistics.median(base)) for v in base]
+    observed = statistics.mean(dev_ours) - statistics.mean(dev_base)
+    pooled, n = dev_ours + dev_base, len(dev_ours)
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(resamples):
+        rng.shuffle(pooled)
+        hits += statistics.mean(pooled[:n]) - statistics.mean(pooled[n:]) >= observed - 1e-12
+    return hits / resamples
+
+
+def print_scatter_test(runs: list[dict], mode: str) -> None:
+    """Does `mode` scatter more than the baseline from run to run? Every run counts, repeats too."""
+    for label, value in (("7k", lambda r: psnr_at(r, 7000)), ("final", lambda r: r["final_test_psnr"])):
+        ours = [v for r in runs if r["mode"] == mode and (v := value(r)) is not None]
+        base = [v for r in runs if r["mode"] == "baseline" and (v := value(r)) is not None]
+        if len(ours) < 3 or len(base) < 3:
+            continue
+        print(f"  {label} test PSNR scatter, {mode} vs baseline over {len(ours)} and {len(base)} runs: "
+              f"SD {statistics.stdev(ours):.2f} vs {statistics.stdev(base):.2f} dB, "
+              f"one-sided permutation p = {scatter_test(ours, base):.4f} for a wider scatter")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' or '0-7' or a mix ('0-3,9')."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        seeds += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    return seeds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scene", type=Path, nargs="?")
@@ -196,8 +251,10 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="recorded in each run's JSON (default: git HEAD)")
     ap.add_argument("--report", type=Path, nargs="+", metavar="DIR",
                     help="print the tables from the per-run JSONs in these folders; runs nothing")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once on the one GPU (quality studies only: shared runs time nothing)")
     args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    seeds = parse_seeds(args.seeds) if args.seeds else None
     if args.report:
         report(*load_runs(args.report, seeds))
         return
@@ -208,14 +265,24 @@ def main() -> None:
     unknown = [m for m in modes if m not in PIPELINES]
     if unknown:
         raise SystemExit(f"unknown pipeline(s) {unknown}; choose from {', '.join(PIPELINES)}")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
     commit = args.commit or git_commit()
+    # interleaved, so drift of the machine hits every mode alike
+    order = [(mode, seed) for seed in seeds for mode in modes]
     rows = []
-    for seed in seeds:
-        for mode in modes:  # interleaved, so drift of the machine hits every mode alike
-            rows.append(run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit))
-            r = rows[-1]
-            print(f"{mode} seed {seed}: {r['seconds']:.1f}s train loop, PSNR {r['final_test_psnr']:.2f}, "
-                  f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
+
+    def run(mode: str, seed: int) -> dict:
+        r = run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit, args.jobs)
+        print(f"{mode} seed {seed}: {r['seconds']:.1f}s train loop, PSNR {r['final_test_psnr']:.2f}, "
+              f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
+        return r
+
+    # The first run alone: it builds the CUDA extensions, which parallel first builds would race on.
+    rows.append(run(*order[0]))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows += [f.result() for f in [pool.submit(run, mode, seed) for mode, seed in order[1:]]]
+    rows.sort(key=lambda r: order.index((r["mode"], r["seed"])))
     (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
     report(rows)
 

@@ -65,6 +65,25 @@ def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
            "peak memory 0.825 vs 1.000 GiB (met)" in capsys.readouterr().out
 
 
+def test_bench_train_scatter_test_and_train_views(tmp_path, capsys):
+    bench = load_script("bench_train")
+    narrow = [21.0, 21.1, 20.9, 21.05, 20.95, 21.0]
+    wide = [22.5, 19.5, 21.0, 23.0, 19.0, 21.5]
+    assert bench.scatter_test(wide, narrow, resamples=4000) < 0.05
+    assert bench.scatter_test(narrow, wide, resamples=4000) > 0.9
+    assert bench.parse_seeds("0-3,9") == [0, 1, 2, 3, 9]
+
+    runs = [fake_run("baseline", s, 200.0, v, 1.0) for s, v in enumerate(narrow)]
+    runs += [fake_run("gstrain", s, 90.0, v, 0.8) for s, v in enumerate(wide)]
+    runs[-1].update(final_train_views={"psnr": 38.5, "min_psnr": 18.25}, concurrent_jobs=4)
+    bench.report(runs)
+    out = capsys.readouterr().out
+    assert "| gstrain, 5 | 90.0 | 3.00 | 22.50 → 21.50 | 38.50 (18.25) |" in out  # mean (worst view)
+    assert "runs made with --jobs 4 shared the GPU" in out
+    line = next(x for x in out.splitlines() if "final test PSNR scatter, gstrain vs baseline over 6 and 6" in x)
+    assert float(line.split("p = ")[1].split()[0]) < 0.05
+
+
 def test_memory_step_replay_counts_frees_of_older_blocks():
     memory = load_script("memory_step")
     ours = [{"filename": "/usr/lib/torch/autograd.py", "line": 1, "name": "apply"},

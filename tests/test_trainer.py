@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -79,3 +80,29 @@ def test_training_reduces_loss(scene, tmp_path):
         losses.append(float(loss))
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+
+
+@pytest.mark.parametrize("train_views", [False, True])
+def test_summary_scores_each_view(scene, tmp_path, train_views):
+    # The summary keeps each test view's PSNR from the last evaluation, and with
+    # log.eval_train_views every training view's, so one failed view shows behind a mean.
+    cfg = build_config(overrides=[
+        {"train": {"steps": 6}, "model": {"sh_degree": 1},
+         "log": {"progress_every": 3, "ckpt_every": 0, "tb_every": 1000, "eval_steps": [], "save_steps": [],
+                 "eval_train_views": train_views}},
+    ])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lambda m: None).fit()
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert result.status == "done" and scene.test
+    test_views = summary["final_test_views_psnr"]
+    assert list(test_views) == [v.name for v in scene.test]
+    assert sum(test_views.values()) / len(test_views) == pytest.approx(summary["final_test_psnr"], abs=1e-3)
+    if not train_views:
+        assert summary["final_train_views"] is None
+        return
+    scored = summary["final_train_views"]
+    assert list(scored["views_psnr"]) == [v.name for v in scene.train]
+    assert scored["min_psnr"] == min(scored["views_psnr"].values()) < scored["psnr"]
+    assert sum(scored["views_psnr"].values()) / len(scene.train) == pytest.approx(scored["psnr"], abs=1e-3)

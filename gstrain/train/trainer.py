@@ -159,6 +159,7 @@ class Trainer:
         self.host_ms_sum: dict[str, float] = {}
         self.phase_steps = 0
         self.test_history: list[dict[str, float]] = []  # this process's test evaluations
+        self.last_test_views: tuple[int, dict[str, float]] | None = None  # (step, PSNR per test view)
         self.max_gaussians = 0  # the most Gaussians in this process's fit (peak memory follows it)
         self._first_step = 0
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
@@ -247,13 +248,23 @@ class Trainer:
     @torch.no_grad()
     def evaluate_test(self) -> dict[str, float] | None:
         """Mean PSNR / SSIM over the held-out views (LPIPS is left to `gstrain eval`)."""
-        if not self.scene.test:
+        scores = self.score_views(self.scene.test)
+        if scores is None:
+            return None
+        self.last_test_views = (self.step, scores["views_psnr"])
+        return {"psnr": scores["psnr"], "ssim": scores["ssim"]}
+
+    @torch.no_grad()
+    def score_views(self, views: list[View]) -> dict[str, Any] | None:
+        """Mean PSNR / SSIM over `views`, and each view's PSNR by name; None for no views."""
+        if not views:
             return None
         metrics = Metrics(self.device, lpips=False)
-        for view in self.scene.test:
+        for view in views:
             metrics.add(self.render_view(view), view.image.to(self.device).float() / 255.0)
         summary = metrics.summary()
-        return {"psnr": summary["psnr"], "ssim": summary["ssim"]}
+        per_view = {v.name: round(r["psnr"], 3) for v, r in zip(views, summary["per_image"], strict=True)}
+        return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view}
 
     def active_sh_degree(self) -> int:
         return min(self.step // self.cfg.train.sh_degree_interval, self.cfg.model.sh_degree)
@@ -367,7 +378,8 @@ class Trainer:
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
             final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
         )
-        self._write_summary(result, final)
+        train_views = self.score_views(self.scene.train) if status == "done" and cfg.log.eval_train_views else None
+        self._write_summary(result, final, train_views)
         if self.writer is not None:
             self.writer.close()
         return result
@@ -409,7 +421,10 @@ class Trainer:
             if i >= 1:
                 break
 
-    def _write_summary(self, result: FitResult, final: dict[str, float] | None) -> None:
+    def _write_summary(
+        self, result: FitResult, final: dict[str, float] | None, train_views: dict[str, Any] | None = None
+    ) -> None:
+        test_views = self.last_test_views
         summary = {
             "status": result.status,
             "steps": result.step,
@@ -421,6 +436,12 @@ class Trainer:
             "final_test_ssim": final["ssim"] if final else None,
             "final_train_psnr": result.final_train_psnr,
             "test_history": self.test_history,  # {step, psnr, ssim} at step 0 and every evaluation
+            "final_test_views_psnr": test_views[1] if final and test_views and test_views[0] == result.step else None,
+            # log.eval_train_views: every training view scored after the loop (not in `seconds`)
+            "final_train_views": None if train_views is None else {
+                "psnr": train_views["psnr"], "ssim": train_views["ssim"],
+                "min_psnr": min(train_views["views_psnr"].values()), "views_psnr": train_views["views_psnr"],
+            },
             "backend": self.renderer.backend,
             "atomic_mode": self.cfg.render.atomic_mode if self.renderer.backend == "cuda" else None,
             "atomic_threshold": self.renderer.atomic_threshold,
