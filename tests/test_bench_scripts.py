@@ -102,3 +102,20 @@ def test_memory_step_replay_counts_frees_of_older_blocks():
     assert peak == 100  # 100 at the first alloc; then 100 - 60 + 30 = 70, then 70 - 100 + 20
     # the innermost frame of ours names the block, not torch's own frame
     assert groups == {"/repo/gstrain/train/step.py:75 run": 100}
+
+
+def test_step_divergence_floor_is_zero_on_cpu_and_a_real_change_shows(demo_scene, monkeypatch, capsys):
+    # On the CPU the reference renderer is deterministic, so a pipeline paired with itself does
+    # not drift at all; a pipeline whose arithmetic differs (another SSIM weight) drifts from step 1.
+    script = load_script("step_divergence")
+    monkeypatch.setattr(script, "PIPELINES", {"plain": [], "ssim-half": ["--set", "train.ssim_lambda=0.5"]})
+    results = dict(script.main([str(demo_scene), "--device", "cpu", "--warmup", "4", "--steps", "1,3",
+                                "--pairs", "plain:plain,plain:ssim-half", "--warmup-pipeline", "plain",
+                                "--set", "model.sh_degree=1"]))
+    same, changed = results["plain:plain"], results["plain:ssim-half"]
+    assert same["stopped"] is None and changed["stopped"] is None
+    assert same["loss"] == 0.0 and all(r["params"] == 0.0 and r["stats"] == 0.0 for r in same["at"].values())
+    assert changed["loss"] > 1e-3  # the loss itself is weighted differently
+    assert 0.0 < changed["at"][1]["params"] < changed["at"][3]["params"]
+    assert changed["at"][3]["stats"] > 0.0
+    assert "| plain : ssim-half |" in capsys.readouterr().out
