@@ -272,17 +272,16 @@ def main() -> None:
     order = [(mode, seed) for seed in seeds for mode in modes]
     rows = []
 
-    def run(mode: str, seed: int) -> dict:
-        r = run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit, args.jobs)
+    def run(mode: str, seed: int, jobs: int) -> dict:
+        r = run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit, jobs)
         print(f"{mode} seed {seed}: {r['seconds']:.1f}s train loop, PSNR {r['final_test_psnr']:.2f}, "
               f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
         return r
 
     # The first run alone: it builds the CUDA extensions, which parallel first builds would race on.
-    rows.append(run(*order[0]))
+    rows.append(run(*order[0], jobs=1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows += [f.result() for f in [pool.submit(run, mode, seed) for mode, seed in order[1:]]]
-    rows.sort(key=lambda r: order.index((r["mode"], r["seed"])))
+        rows += [f.result() for f in [pool.submit(run, mode, seed, args.jobs) for mode, seed in order[1:]]]
     (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
     report(rows)
 

@@ -77,7 +77,9 @@ def make_trainer(scene, cfg_overrides: list[dict[str, Any]], base: list[dict[str
 
     cfg = build_config(overrides=[*base, *cfg_overrides])
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, scene, run_dir, device, log=lambda m: None)
+    trainer = Trainer(cfg, scene, run_dir, device, log=lambda m: None)
+    trainer.timer.enabled = False  # nothing reads phase times here; events would pile up unread
+    return trainer
 
 
 def step(trainer) -> float:
