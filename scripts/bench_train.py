@@ -72,6 +72,17 @@ def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: lis
     return summary
 
 
+def build_extensions() -> None:
+    """Compile (or load from the cache) gstrain's CUDA extensions in this process."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gstrain.render.cuda import ensure_built as raster
+    from gstrain.train.fused_ssim import ensure_built as ssim
+    from gstrain.train.step_ops import ensure_built as step_ops
+
+    for build in (raster, ssim, step_ops):
+        build()
+
+
 def median_spread(values: list[float], fmt: str = "{:.2f}") -> str:
     if not values:
         return "–"
@@ -270,7 +281,6 @@ def main() -> None:
     commit = args.commit or git_commit()
     # interleaved, so drift of the machine hits every mode alike
     order = [(mode, seed) for seed in seeds for mode in modes]
-    rows = []
 
     def run(mode: str, seed: int, jobs: int) -> dict:
         r = run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit, jobs)
@@ -278,10 +288,12 @@ def main() -> None:
               f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
         return r
 
-    # The first run alone: it builds the CUDA extensions, which parallel first builds would race on.
-    rows.append(run(*order[0], jobs=1))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows += [f.result() for f in [pool.submit(run, mode, seed, args.jobs) for mode, seed in order[1:]]]
+    if args.jobs == 1:
+        rows = [run(mode, seed, 1) for mode, seed in order]
+    else:
+        build_extensions()  # here, once: parallel first builds would race on the cache
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            rows = [f.result() for f in [pool.submit(run, mode, seed, args.jobs) for mode, seed in order]]
     (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
     report(rows)
 
