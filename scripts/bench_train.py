@@ -11,8 +11,9 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
   sparse-adam   gstrain plus Adam over the visible Gaussians only
 
     python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
-    python3 scripts/bench_train.py --report DIR [DIR ...] [--seeds 0,1,2]
-        (the tables again, from the per-run JSONs; only those seeds' runs with --seeds)
+    python3 scripts/bench_train.py --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2]
+        (the tables again, from the per-run JSONs; only those seeds' runs with --seeds, only
+        pipelines P1 and P2 from a DIR:P1+P2; speed figures only from runs that had the GPU alone)
     python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0-7 --pipelines gstrain,conv-ssim --jobs 4
         (quality only: several runs share the GPU at once, so their times are not speed figures)
 
@@ -107,15 +108,25 @@ def psnr_at(run: dict, step: int) -> float | None:
     return None
 
 
-def load_runs(dirs: list[Path], seeds: list[int] | None = None) -> tuple[list[dict], list[dict]]:
-    """The per-run JSONs under `dirs` (only those of `seeds`, if given). The first run of each
-    (pipeline, seed) counts towards the medians; later ones (the same seed again) are repeats:
-    they show the run-to-run spread."""
+def parse_source(text: str) -> tuple[Path, set[str] | None]:
+    """'DIR' (every pipeline's runs in it) or 'DIR:P1+P2' (only those pipelines' runs): a folder
+    from an older commit can add the runs of a pipeline whose code has not changed since."""
+    head, sep, tail = text.rpartition(":")
+    if sep and tail and all(name in PIPELINES for name in tail.split("+")):
+        return Path(head), set(tail.split("+"))
+    return Path(text), None
+
+
+def load_runs(dirs: list[Path | str], seeds: list[int] | None = None) -> tuple[list[dict], list[dict]]:
+    """The per-run JSONs under `dirs` (only those of `seeds`, if given; see parse_source). The
+    first run of each (pipeline, seed) counts towards the medians; later ones (the same seed
+    again) are repeats: they show the run-to-run spread."""
     runs, repeats, seen = [], [], set()
-    for d in dirs:
+    for source in dirs:
+        d, only = parse_source(str(source))
         for path in sorted(d.glob("*_seed*.json")):
             run = json.loads(path.read_text())
-            if seeds is not None and run["seed"] not in seeds:
+            if (seeds is not None and run["seed"] not in seeds) or (only is not None and run["mode"] not in only):
                 continue
             run.setdefault("source", d.name)
             key = (run["mode"], run["seed"])
@@ -124,20 +135,24 @@ def load_runs(dirs: list[Path], seeds: list[int] | None = None) -> tuple[list[di
     return runs, repeats
 
 
-def report(runs: list[dict], repeats: list[dict] = ()) -> None:
-    """Markdown tables: medians (spread) per pipeline, every run, per-phase time, the targets."""
+def report(runs: list[dict], repeats: list[dict] = (), reference: str = "baseline") -> None:
+    """Markdown tables: medians (spread) per pipeline, every run, per-phase time, and the targets
+    and noise tests of every other pipeline against `reference` (the baseline by default)."""
     modes = list(dict.fromkeys(r["mode"] for r in runs))
 
     def of(mode: str, key, rows=runs) -> list[float]:
         vals = [key(r) if callable(key) else r.get(key) for r in rows if r["mode"] == mode]
         return [float(v) for v in vals if v is not None]
 
+    # Times count only from runs that had the GPU to themselves; quality and memory from all.
+    solo = [r for r in runs if (r.get("concurrent_jobs") or 1) == 1]
+
     print("| pipeline | seeds | train loop s | wall ms / step | test PSNR | test SSIM | Gaussians | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for mode in modes:
         seeds = ",".join(str(r["seed"]) for r in runs if r["mode"] == mode)
-        print(f"| {mode} | {seeds} | {median_spread(of(mode, 'seconds'), '{:.1f}')} | "
-              f"{median_spread(of(mode, 'wall_ms_per_step'))} | {median_spread(of(mode, 'final_test_psnr'))} | "
+        print(f"| {mode} | {seeds} | {median_spread(of(mode, 'seconds', solo), '{:.1f}')} | "
+              f"{median_spread(of(mode, 'wall_ms_per_step', solo))} | {median_spread(of(mode, 'final_test_psnr'))} | "
               f"{median_spread(of(mode, 'final_test_ssim'), '{:.3f}')} | "
               f"{median_spread(of(mode, 'num_gaussians'), '{:,.0f}')} | "
               f"{median_spread(of(mode, 'peak_gpu_memory_gib'), '{:.3f}')} |")
@@ -148,6 +163,8 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
     # train PSNR: all training views' mean (worst view) where scored, else the last logged view
     for r in sorted([*runs, *repeats], key=lambda r: (r["seed"], modes.index(r["mode"]) if r["mode"] in modes else 0)):
         tag = " (repeat)" if any(r is x for x in repeats) else ""
+        if (r.get("concurrent_jobs") or 1) > 1:
+            tag += f" (GPU shared by {r['concurrent_jobs']})"
         at7k = psnr_at(r, 7000)
         views = r.get("final_train_views")
         train = r.get("final_train_psnr")
@@ -159,14 +176,14 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
               f"{r['num_gaussians']:,}{f' ({most:,})' if (most := r.get('max_gaussians')) else ''} | "
               f"{r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r.get('source') or '–'} |")
 
-    print("\nper-phase ms per step, GPU events (host ms), median over seeds:")
+    print("\nper-phase ms per step, GPU events (host ms), median over the runs that had the GPU alone:")
     print("| phase | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
-    phases = list(dict.fromkeys(k for r in runs for k in (r.get("phase_ms_per_step") or {})))
+    phases = list(dict.fromkeys(k for r in solo for k in (r.get("phase_ms_per_step") or {})))
     for ph in phases:
         cells = []
         for mode in modes:
-            gpu = of(mode, lambda r, ph=ph: (r.get("phase_ms_per_step") or {}).get(ph))
-            host = of(mode, lambda r, ph=ph: (r.get("host_ms_per_step") or {}).get(ph))
+            gpu = of(mode, lambda r, ph=ph: (r.get("phase_ms_per_step") or {}).get(ph), solo)
+            host = of(mode, lambda r, ph=ph: (r.get("host_ms_per_step") or {}).get(ph), solo)
             cell = f"{statistics.median(gpu):.2f}" if gpu else "–"
             cells.append(cell + (f" ({statistics.median(host):.2f})" if host else ""))
         print(f"| {ph} | " + " | ".join(cells) + " |")
@@ -174,34 +191,40 @@ def report(runs: list[dict], repeats: list[dict] = ()) -> None:
     shared = sorted({r.get("concurrent_jobs") or 1 for r in [*runs, *repeats]} - {1})
     if shared:
         print(f"\nnote: runs made with --jobs {'/'.join(map(str, shared))} shared the GPU; "
-              "their times are not speed figures")
-    if "baseline" not in modes:
+              "their times are not speed figures and count in no time median")
+    if reference not in modes:
         return
-    base_time = statistics.median(of("baseline", "seconds"))
-    base_psnr = statistics.median(of("baseline", "final_test_psnr"))
-    base_mem = statistics.median(of("baseline", "peak_gpu_memory_gib"))
-    print("\ntargets (medians against the baseline's):")
+    base_times = of(reference, "seconds", solo)
+    base_psnr = statistics.median(of(reference, "final_test_psnr"))
+    base_mem = statistics.median(of(reference, "peak_gpu_memory_gib"))
+    print(f"\ntargets (medians against {reference}'s):")
     for mode in modes:
-        if mode == "baseline":
+        if mode == reference:
             continue
-        ratio = statistics.median(of(mode, "seconds")) / base_time
+        times = of(mode, "seconds", solo)
+        if times and base_times:
+            ratio = statistics.median(times) / statistics.median(base_times)
+            time_cell = f"time {ratio:.3f}x ({'met' if ratio <= 0.5 else 'not met'} for <= 0.5x)"
+        else:
+            time_cell = "time: no runs that had the GPU alone"
         dpsnr = statistics.median(of(mode, "final_test_psnr")) - base_psnr
         mem = statistics.median(of(mode, "peak_gpu_memory_gib"))
-        print(f"- {mode}: time {ratio:.3f}x ({'met' if ratio <= 0.5 else 'not met'} for <= 0.5x), "
+        print(f"- {mode}: {time_cell}, "
               f"test PSNR {dpsnr:+.2f} dB ({'met' if dpsnr >= -0.1 else 'not met'} for >= -0.1 dB), "
               f"peak memory {mem:.3f} vs {base_mem:.3f} GiB ({'met' if mem <= base_mem else 'not met'})")
-        print_psnr_spread(runs, mode)
-        print_scatter_test([*runs, *repeats], mode)
+        print_psnr_spread(runs, mode, reference)
+        print_location_test([*runs, *repeats], mode, reference)
+        print_scatter_test([*runs, *repeats], mode, reference)
 
 
-def print_psnr_spread(runs: list[dict], mode: str, resamples: int = 10_000) -> None:
+def print_psnr_spread(runs: list[dict], mode: str, reference: str = "baseline", resamples: int = 10_000) -> None:
     """How far seed noise goes: seed-for-seed PSNR differences, and a bootstrap over seeds of the
     difference of medians (each pipeline's runs resampled with replacement)."""
-    base = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == "baseline"}
+    base = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == reference}
     ours = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == mode}
     diffs = [ours[seed] - base[seed] for seed in sorted(base.keys() & ours.keys())]
     if diffs:
-        print(f"  test PSNR, {mode} - baseline seed for seed: {', '.join(f'{d:+.2f}' for d in diffs)} dB; "
+        print(f"  test PSNR, {mode} - {reference} seed for seed: {', '.join(f'{d:+.2f}' for d in diffs)} dB; "
               f"mean {statistics.mean(diffs):+.2f}, median {statistics.median(diffs):+.2f}")
     if len(base) < 3 or len(ours) < 3:
         return
@@ -213,6 +236,31 @@ def print_psnr_spread(runs: list[dict], mode: str, resamples: int = 10_000) -> N
     )
     lo, hi = boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
     print(f"  difference of median test PSNR, 90% seed-bootstrap interval: [{lo:+.2f}, {hi:+.2f}] dB")
+
+
+def location_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
+    """Two-sided permutation p-value for a difference of means between `ours` and `base`."""
+    observed = abs(statistics.mean(ours) - statistics.mean(base))
+    pooled, n = list(ours) + list(base), len(ours)
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(resamples):
+        rng.shuffle(pooled)
+        hits += abs(statistics.mean(pooled[:n]) - statistics.mean(pooled[n:])) >= observed - 1e-12
+    return hits / resamples
+
+
+def print_location_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
+    """Is `mode`'s final test PSNR different from `reference`'s beyond seed noise? Every run counts."""
+    ours = [r["final_test_psnr"] for r in runs if r["mode"] == mode]
+    base = [r["final_test_psnr"] for r in runs if r["mode"] == reference]
+    if len(ours) < 3 or len(base) < 3:
+        return
+    print(f"  final test PSNR over every run, {mode} vs {reference} ({len(ours)} and {len(base)} runs): "
+          f"mean {statistics.mean(ours):.2f} vs {statistics.mean(base):.2f} dB "
+          f"({statistics.mean(ours) - statistics.mean(base):+.2f}), median {statistics.median(ours):.2f} vs "
+          f"{statistics.median(base):.2f} dB; two-sided permutation p = {location_test(ours, base):.3f} "
+          "for a difference of means")
 
 
 def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
@@ -230,14 +278,14 @@ def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) 
     return hits / resamples
 
 
-def print_scatter_test(runs: list[dict], mode: str) -> None:
-    """Does `mode` scatter more than the baseline from run to run? Every run counts, repeats too."""
+def print_scatter_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
+    """Does `mode` scatter more than `reference` from run to run? Every run counts, repeats too."""
     for label, value in (("7k", lambda r: psnr_at(r, 7000)), ("final", lambda r: r["final_test_psnr"])):
         ours = [v for r in runs if r["mode"] == mode and (v := value(r)) is not None]
-        base = [v for r in runs if r["mode"] == "baseline" and (v := value(r)) is not None]
+        base = [v for r in runs if r["mode"] == reference and (v := value(r)) is not None]
         if len(ours) < 3 or len(base) < 3:
             continue
-        print(f"  {label} test PSNR scatter, {mode} vs baseline over {len(ours)} and {len(base)} runs: "
+        print(f"  {label} test PSNR scatter, {mode} vs {reference} over {len(ours)} and {len(base)} runs: "
               f"SD {statistics.stdev(ours):.2f} vs {statistics.stdev(base):.2f} dB, "
               f"one-sided permutation p = {scatter_test(ours, base):.4f} for a wider scatter")
 
@@ -257,17 +305,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7000)
     ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2; with --report, all)")
     ap.add_argument("--pipelines", default="baseline,gstrain", help=", ".join(PIPELINES))
+    ap.add_argument("--reference", default="baseline",
+                    help="with --report: the pipeline the targets and noise tests compare against")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "bench_train")
     ap.add_argument("--extra", default="", help="extra flags for gstrain fit, space-separated")
     ap.add_argument("--commit", default=None, help="recorded in each run's JSON (default: git HEAD)")
-    ap.add_argument("--report", type=Path, nargs="+", metavar="DIR",
+    ap.add_argument("--report", nargs="+", metavar="DIR",
                     help="print the tables from the per-run JSONs in these folders; runs nothing")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once on the one GPU (quality studies only: shared runs time nothing)")
     args = ap.parse_args()
     seeds = parse_seeds(args.seeds) if args.seeds else None
     if args.report:
-        report(*load_runs(args.report, seeds))
+        report(*load_runs(args.report, seeds), reference=args.reference)
         return
     if args.scene is None:
         ap.error("a scene is needed (or --report DIR ...)")

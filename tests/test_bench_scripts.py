@@ -78,10 +78,55 @@ def test_bench_train_scatter_test_and_train_views(tmp_path, capsys):
     runs[-1].update(final_train_views={"psnr": 38.5, "min_psnr": 18.25}, concurrent_jobs=4)
     bench.report(runs)
     out = capsys.readouterr().out
-    assert "| gstrain, 5 | 90.0 | 3.00 | 22.50 → 21.50 | 38.50 (18.25) |" in out  # mean (worst view)
+    assert "| gstrain, 5 (GPU shared by 4) | 90.0 | 3.00 | 22.50 → 21.50 | 38.50 (18.25) |" in out  # mean (worst)
     assert "runs made with --jobs 4 shared the GPU" in out
     line = next(x for x in out.splitlines() if "final test PSNR scatter, gstrain vs baseline over 6 and 6" in x)
     assert float(line.split("p = ")[1].split()[0]) < 0.05
+
+
+def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_path, capsys):
+    bench = load_script("bench_train")
+    solo, shared, old = tmp_path / "solo", tmp_path / "shared", tmp_path / "old"
+    for d in (solo, shared, old):
+        d.mkdir()
+    for mode, seed, secs, psnr in [("baseline", 0, 200.0, 21.0), ("gstrain", 0, 80.0, 21.0)]:
+        (solo / f"{mode}_seed{seed}.json").write_text(json.dumps(fake_run(mode, seed, secs, psnr, 1.0)))
+    for mode, seed, secs, psnr in [("baseline", 1, 900.0, 20.0), ("gstrain", 1, 900.0, 20.0),
+                                   ("gstrain", 2, 900.0, 22.0)]:
+        run = dict(fake_run(mode, seed, secs, psnr, 1.0), concurrent_jobs=6)
+        run["phase_ms_per_step"] = {"loss": 99.0}
+        (shared / f"{mode}_seed{seed}.json").write_text(json.dumps(run))
+    # an older folder whose gstrain runs came from other code: only its baseline runs are read
+    (old / "baseline_seed2.json").write_text(json.dumps(fake_run("baseline", 2, 210.0, 22.0, 1.0)))
+    (old / "gstrain_seed3.json").write_text(json.dumps(fake_run("gstrain", 3, 10.0, 5.0, 1.0)))
+    assert bench.parse_source(f"{old}:baseline") == (old, {"baseline"})
+    assert bench.parse_source(str(old)) == (old, None)
+
+    counted, repeats = bench.load_runs([solo, shared, f"{old}:baseline"])
+    assert sorted((r["mode"], r["seed"]) for r in counted) == [
+        ("baseline", 0), ("baseline", 1), ("baseline", 2), ("gstrain", 0), ("gstrain", 1), ("gstrain", 2)]
+    bench.report(counted, repeats)
+    out = capsys.readouterr().out
+    # times only from the runs that had the GPU alone: 80 / median(200, 210) = 0.390, not 900 s
+    assert "| baseline | 0,1,2 | 205.0 (200.0–210.0) |" in out
+    assert "| gstrain | 0,1,2 | 80.0 |" in out
+    assert "gstrain: time 0.390x (met for <= 0.5x), test PSNR +0.00 dB" in out
+    assert "| gstrain, 1 (GPU shared by 6) | 900.0 |" in out
+    assert "| loss | 1.00 (0.50) | 1.00 (0.50) |" in out  # the shared runs' 99 ms left out
+    line = next(x for x in out.splitlines() if "final test PSNR over every run, gstrain vs baseline" in x)
+    assert "(3 and 3 runs): mean 21.00 vs 21.00 dB (+0.00)" in line
+    assert float(line.split("p = ")[1].split()[0]) > 0.9
+
+    # with no solo run of a pipeline there is no time ratio
+    bench.report(*bench.load_runs([shared]))
+    assert "gstrain: time: no runs that had the GPU alone, test PSNR" in capsys.readouterr().out
+
+
+def test_bench_train_location_test_separates_shifted_samples():
+    bench = load_script("bench_train")
+    base = [21.0, 21.2, 20.8, 21.1, 20.9, 21.0]
+    assert bench.location_test([x - 1.0 for x in base], base, resamples=4000) < 0.01
+    assert bench.location_test(base, list(reversed(base)), resamples=4000) > 0.99
 
 
 def test_memory_step_replay_counts_frees_of_older_blocks():
