@@ -121,6 +121,13 @@ def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_p
     bench.report(*bench.load_runs([shared]))
     assert "gstrain: time: no runs that had the GPU alone, test PSNR" in capsys.readouterr().out
 
+    # against another pipeline: the same figures, without the verdicts
+    bench.report(counted, repeats, reference="gstrain")
+    out = capsys.readouterr().out
+    assert "figures (medians against gstrain's):" in out
+    assert "- baseline: time 2.562x, test PSNR +0.00 dB, peak memory 1.000 vs 1.000 GiB\n" in out
+    assert "baseline - gstrain seed for seed: +0.00, +0.00, +0.00 dB" in out
+
 
 def test_bench_train_location_test_separates_shifted_samples():
     bench = load_script("bench_train")
