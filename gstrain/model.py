@@ -90,7 +90,9 @@ def init_gaussians(
     if init_scale <= 0.0:
         raise ValueError(f"init_scale must be > 0, got {init_scale}")
 
-    means = torch.from_numpy(np.ascontiguousarray(pts, dtype=np.float32))
+    # a copy: from_numpy would share the caller's array (the scene's SfM points), and on the CPU
+    # the optimizer's in-place updates would then move them under every later model
+    means = torch.tensor(pts, dtype=torch.float32)
     n = means.shape[0]
     dist = knn_rms_distance(means, k=3)
     scales = torch.log(dist * init_scale)[:, None].repeat(1, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +81,41 @@ def test_training_reduces_loss(scene, tmp_path):
         losses.append(float(loss))
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+
+
+def test_checkpoints_and_timer_leave_training_unchanged(scene, tmp_path):
+    # gstrain's pipeline writes a checkpoint every 1000 steps and the bench baseline none; the
+    # phase timer runs on some steps only. Neither may touch the training state: with refinements
+    # and an opacity reset inside the run, both runs must end bit for bit the same. (This test
+    # found the CPU model sharing memory with the scene's points, so a second run started where
+    # the first had moved them.)
+    def run(name: str, ckpt_every: int, time_every: int) -> Trainer:
+        cfg = build_config(overrides=[
+            {"train": {"steps": 45, "seed": 5}, "model": {"sh_degree": 1},
+             "strategy": {"refine_start": 5, "refine_every": 10, "reset_every": 20},
+             "log": {"progress_every": 5, "ckpt_every": ckpt_every, "time_every": time_every, "tb_every": 1000,
+                     "eval_steps": [], "save_steps": []}},
+        ])  # fmt: skip
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        from gstrain.train.trainer import seed_everything
+
+        seed_everything(5)
+        trainer = Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lambda m: None)
+        assert trainer.fit().status == "done"
+        return trainer
+
+    points_before = scene.points.copy()
+    plain, busy = run("plain", 0, 1000), run("busy", 7, 1)
+    # the model copies the SfM points: training one model must not move the next one's start
+    assert np.array_equal(scene.points, points_before)
+    assert len(list_checkpoints(tmp_path / "busy")) >= 1 and plain.step == busy.step == 45
+    assert len(plain.params["means"]) != 0
+    for key in plain.params:
+        assert torch.equal(plain.params[key], busy.params[key]), key
+    for key in ("grad2d", "count"):
+        a, b = plain.densifier.state.get(key), busy.densifier.state.get(key)
+        assert (a is None and b is None) or torch.equal(a, b), key
 
 
 @pytest.mark.parametrize("train_views", [False, True])
