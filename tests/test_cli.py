@@ -153,7 +153,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
 
 
 def test_resume_matches_uninterrupted_run(demo_scene, tmp_path):
-    """Resuming from the step-40 checkpoint of an 80-step run reproduces its step-80 state."""
+    """Resuming from the step-40 checkpoint of an 80-step run reproduces its step-80 state exactly."""
     common = ["--steps", "80", "--seed", "3", *FAST, "--set", "strategy.refine_start=20",
               "--set", "strategy.refine_every=20", "--set", "log.ckpt_every=40", "--set", "log.keep_ckpts=0"]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -165,9 +165,21 @@ def test_resume_matches_uninterrupted_run(demo_scene, tmp_path):
     a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
     b = torch.load(part / "ckpt" / "step_80.pt", weights_only=False)
     assert a["step"] == b["step"] == 80
+    # bit for bit on the CPU: parameters, Adam moments and the densification statistics
     for key in a["params"]:
-        assert a["params"][key].shape == b["params"][key].shape, key
-        assert torch.allclose(a["params"][key], b["params"][key], atol=1e-6), key
+        assert torch.equal(a["params"][key], b["params"][key]), key
+    moments = 0
+    for name, opt in a["optimizers"].items():
+        state_a, state_b = opt["state"].get(0, {}), b["optimizers"][name]["state"].get(0, {})
+        assert state_a.keys() == state_b.keys(), name  # empty for a tensor that never had a gradient
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state_a:
+                assert torch.equal(state_a[key], state_b[key]), (name, key)
+                moments += 1
+    assert moments >= 8  # at least means, scales, quats and opacities were stepped
+    for key, value in a["strategy"].items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, b["strategy"][key]), key
 
 
 def test_ctrl_c_saves_and_resume_finishes(demo_scene, tmp_path):
