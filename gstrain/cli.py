@@ -136,6 +136,9 @@ def fit(
     if result.status == "interrupted":
         _log(f"gstrain: resume with: gstrain fit {scene} --out {run_dir} --resume")
         raise typer.Exit(130)
+    if result.status == "stopped":
+        _log(f"gstrain: paused at train.stop_at={cfg.train.stop_at} of {cfg.train.steps} steps; go on with: "
+             f"gstrain fit {scene} --out {run_dir} --resume --set train.stop_at=0")
     if result.status == "nan":
         raise typer.Exit(3)
 

@@ -64,6 +64,7 @@ class TrainConfig:
     seed: int = 42
     device: str = "auto"  # auto | cpu | cuda
     fused_ssim: bool = True  # the fused CUDA SSIM kernels on a GPU (the convolutions on the CPU either way)
+    stop_at: int = 0  # pause after this step (0: run to `steps`); schedules still span `steps`
 
 
 @dataclass
@@ -226,6 +227,9 @@ def validate(cfg: Config) -> Config:
     choice(cfg.model.init, ("sfm", "random"), "model.init")
     if cfg.train.steps < 1:
         raise UserError(f"train.steps must be >= 1; got {cfg.train.steps}")
+    if not 0 <= cfg.train.stop_at <= cfg.train.steps:
+        raise UserError(f"train.stop_at must be 0 (off) or a step up to train.steps ({cfg.train.steps}); "
+                        f"got {cfg.train.stop_at}")
     if cfg.data.factor < 1:
         raise UserError(f"data.factor must be >= 1; got {cfg.data.factor}")
     if not 0 <= cfg.model.sh_degree <= 3:

@@ -16,6 +16,8 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
         pipelines P1 and P2 from a DIR:P1+P2; speed figures only from runs that had the GPU alone)
     python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0-7 --pipelines gstrain,conv-ssim --jobs 4
         (quality only: several runs share the GPU at once, so their times are not speed figures)
+    python3 scripts/bench_train.py SCENE --steps 30000 --extra "--set train.stop_at=7000" ...
+        (the 7k point of 30k runs, at a quarter of their cost: the schedules still span 30k)
 
 Float atomics make runs diverge (densification differs), hence several seeds and medians.
 """

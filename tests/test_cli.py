@@ -182,6 +182,33 @@ def test_resume_matches_uninterrupted_run(demo_scene, tmp_path):
             assert torch.equal(value, b["strategy"][key]), key
 
 
+def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_path):
+    """train.stop_at=40 of 80 steps pauses with a checkpoint and an evaluation; --resume with
+    stop_at=0 then ends bit for bit where an unpaused 80-step run ends (the schedules span 80)."""
+    common = ["--steps", "80", "--seed", "4", *FAST, "--set", "strategy.refine_start=20",
+              "--set", "strategy.refine_every=20", "--set", "log.ckpt_every=0"]
+    full, paused = tmp_path / "full", tmp_path / "paused"
+    assert run_cli("fit", demo_scene, "--out", full, *common).returncode == 0
+    proc = run_cli("fit", demo_scene, "--out", paused, *common, "--set", "train.stop_at=40")
+    assert proc.returncode == 0, proc.stderr
+    assert "paused at train.stop_at=40 of 80 steps" in proc.stderr and "--set train.stop_at=0" in proc.stderr
+    summary = json.loads((paused / "train_summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] == 40
+    assert summary["test_history"][-1]["step"] == 40 and summary["final_test_psnr"] is not None
+    assert [s for s, _ in list_checkpoints(paused)] == [40]
+
+    proc = run_cli("fit", demo_scene, "--out", paused, "--resume", "--set", "train.stop_at=0")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((paused / "train_summary.json").read_text())["status"] == "done"
+    a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
+    b = torch.load(paused / "ckpt" / "step_80.pt", weights_only=False)
+    for key in a["params"]:
+        assert torch.equal(a["params"][key], b["params"][key]), key
+
+    bad = run_cli("fit", demo_scene, "--out", tmp_path / "bad", *common, "--set", "train.stop_at=81")
+    assert_user_error(bad, "train.stop_at must be 0 (off) or a step up to train.steps (80)")
+
+
 def test_ctrl_c_saves_and_resume_finishes(demo_scene, tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")

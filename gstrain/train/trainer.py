@@ -34,7 +34,7 @@ from gstrain.train.timing import PhaseTimer
 
 @dataclass
 class FitResult:
-    status: str  # "done" | "interrupted" | "nan"
+    status: str  # "done" | "stopped" (at train.stop_at) | "interrupted" | "nan"
     step: int  # steps completed
     seconds: float
     num_gaussians: int
@@ -298,6 +298,10 @@ class Trainer:
         if not resume:
             seed_everything(cfg.train.seed)
         total = cfg.train.steps
+        # train.stop_at pauses the run there (checkpoint, evaluation, PLY as at the end); the
+        # learning-rate decay and the eval/save steps still follow `total`, so --resume goes on
+        # exactly as an unpaused run would
+        end = cfg.train.stop_at or total
         start_step = self.step
         self._first_step = start_step
         self.max_gaussians = len(self.params["means"])
@@ -305,21 +309,21 @@ class Trainer:
         if initial is not None:
             self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
             self.test_history.append({"step": 0, **initial})
-        eval_steps = set(cfg.log.eval_steps) | {total}
-        save_steps = set(cfg.log.save_steps) | {total}
+        eval_steps = set(cfg.log.eval_steps) | {end}
+        save_steps = set(cfg.log.save_steps) | {end}
         last_psnr = float("nan")
         status = "done"
         ckpt: Path | None = None
         t_start = time.perf_counter()
-        bar = tqdm(total=total, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
+        bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
         with _StopFlag() as stop:
-            while self.step < total:
+            while self.step < end:
                 self.timer.enabled = self.step % cfg.log.time_every == 0
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step
                 logging = step % cfg.log.tb_every == 0
-                progress = step % cfg.log.progress_every == 0 or step == total
+                progress = step % cfg.log.progress_every == 0 or step == end
                 # train PSNR only when someone reads it: four launches saved on the other steps
                 train_psnr = psnr(image, gt) if logging or progress else None
                 if progress:
@@ -345,7 +349,7 @@ class Trainer:
                         bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
                 if step in save_steps:
                     self.export_ply()
-                if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == total:
+                if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end:
                     if not (math.isfinite(float(loss)) and self._params_finite()):
                         status = "nan"
                         break
@@ -356,6 +360,8 @@ class Trainer:
         bar.close()
         self.checkpoints.wait()  # the last write is part of the run's time
         seconds = time.perf_counter() - t_start
+        if status == "done" and self.step < total:
+            status = "stopped"  # at train.stop_at, with its checkpoint: --resume goes on
 
         if status == "interrupted":
             if self._params_finite():
@@ -369,7 +375,7 @@ class Trainer:
             self.log(f"gstrain: loss became NaN by step {self.step}; stopped. {where}")
             ckpt = good[-1][1] if good else None
         final = None
-        if status == "done":  # the loop's own evaluation of the last step, when it made one
+        if status in ("done", "stopped"):  # the loop's own evaluation of the last step, when it made one
             last = self.test_history[-1] if self.test_history else None
             final = last if last is not None and last["step"] == self.step else self.evaluate_test()
         result = FitResult(
@@ -378,7 +384,8 @@ class Trainer:
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
             final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
         )
-        train_views = self.score_views(self.scene.train) if status == "done" and cfg.log.eval_train_views else None
+        finished = status in ("done", "stopped")
+        train_views = self.score_views(self.scene.train) if finished and cfg.log.eval_train_views else None
         self._write_summary(result, final, train_views)
         if self.writer is not None:
             self.writer.close()
