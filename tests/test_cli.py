@@ -196,6 +196,10 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
     assert summary["status"] == "stopped" and summary["steps"] == 40
     assert summary["test_history"][-1]["step"] == 40 and summary["final_test_psnr"] is not None
     assert [s for s, _ in list_checkpoints(paused)] == [40]
+    # resumed without lifting stop_at: nothing to train, the same pause reported again
+    proc = run_cli("fit", demo_scene, "--out", paused, "--resume")
+    assert proc.returncode == 0 and "paused at train.stop_at=40" in proc.stderr, proc.stderr
+    assert json.loads((paused / "train_summary.json").read_text())["checkpoint"].endswith("step_40.pt")
 
     proc = run_cli("fit", demo_scene, "--out", paused, "--resume", "--set", "train.stop_at=0")
     assert proc.returncode == 0, proc.stderr

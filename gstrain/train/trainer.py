@@ -362,6 +362,9 @@ class Trainer:
         seconds = time.perf_counter() - t_start
         if status == "done" and self.step < total:
             status = "stopped"  # at train.stop_at, with its checkpoint: --resume goes on
+        if ckpt is None and status in ("done", "stopped"):  # resumed at or past the end: nothing to train
+            good = list_checkpoints(self.run_dir)
+            ckpt = good[-1][1] if good else None
 
         if status == "interrupted":
             if self._params_finite():
