@@ -245,16 +245,21 @@ def print_psnr_spread(runs: list[dict], mode: str, reference: str = "baseline", 
     print(f"  difference of median test PSNR, 90% seed-bootstrap interval: [{lo:+.2f}, {hi:+.2f}] dB")
 
 
-def location_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
-    """Two-sided permutation p-value for a difference of means between `ours` and `base`."""
-    observed = abs(statistics.mean(ours) - statistics.mean(base))
+def permutation_p(ours: list[float], base: list[float], statistic, resamples: int = 20_000) -> float:
+    """How often `statistic(a, b)` of the pooled values, labels shuffled, reaches its observed value."""
+    observed = statistic(ours, base)
     pooled, n = list(ours) + list(base), len(ours)
     rng = random.Random(0)
     hits = 0
     for _ in range(resamples):
         rng.shuffle(pooled)
-        hits += abs(statistics.mean(pooled[:n]) - statistics.mean(pooled[n:])) >= observed - 1e-12
+        hits += statistic(pooled[:n], pooled[n:]) >= observed - 1e-12
     return hits / resamples
+
+
+def location_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
+    """Two-sided permutation p-value for a difference of means between `ours` and `base`."""
+    return permutation_p(ours, base, lambda a, b: abs(statistics.mean(a) - statistics.mean(b)), resamples)
 
 
 def print_location_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
@@ -275,14 +280,7 @@ def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) 
     mean absolute deviation from each sample's own median, labels shuffled)."""
     dev_ours = [abs(v - statistics.median(ours)) for v in ours]
     dev_base = [abs(v - statistics.median(base)) for v in base]
-    observed = statistics.mean(dev_ours) - statistics.mean(dev_base)
-    pooled, n = dev_ours + dev_base, len(dev_ours)
-    rng = random.Random(0)
-    hits = 0
-    for _ in range(resamples):
-        rng.shuffle(pooled)
-        hits += statistics.mean(pooled[:n]) - statistics.mean(pooled[n:]) >= observed - 1e-12
-    return hits / resamples
+    return permutation_p(dev_ours, dev_base, lambda a, b: statistics.mean(a) - statistics.mean(b), resamples)
 
 
 def print_scatter_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:

@@ -362,7 +362,8 @@ class Trainer:
         seconds = time.perf_counter() - t_start
         if status == "done" and self.step < total:
             status = "stopped"  # at train.stop_at, with its checkpoint: --resume goes on
-        if ckpt is None and status in ("done", "stopped"):  # resumed at or past the end: nothing to train
+        finished = status in ("done", "stopped")
+        if ckpt is None and finished:  # resumed at or past the end: nothing to train
             good = list_checkpoints(self.run_dir)
             ckpt = good[-1][1] if good else None
 
@@ -378,7 +379,7 @@ class Trainer:
             self.log(f"gstrain: loss became NaN by step {self.step}; stopped. {where}")
             ckpt = good[-1][1] if good else None
         final = None
-        if status in ("done", "stopped"):  # the loop's own evaluation of the last step, when it made one
+        if finished:  # the loop's own evaluation of the last step, when it made one
             last = self.test_history[-1] if self.test_history else None
             final = last if last is not None and last["step"] == self.step else self.evaluate_test()
         result = FitResult(
@@ -387,7 +388,6 @@ class Trainer:
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
             final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
         )
-        finished = status in ("done", "stopped")
         train_views = self.score_views(self.scene.train) if finished and cfg.log.eval_train_views else None
         self._write_summary(result, final, train_views)
         if self.writer is not None:
