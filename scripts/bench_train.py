@@ -199,13 +199,16 @@ def report(runs: list[dict], repeats: list[dict] = (), reference: str = "baselin
     base_times = of(reference, "seconds", solo)
     base_psnr = statistics.median(of(reference, "final_test_psnr"))
     base_mem = statistics.median(of(reference, "peak_gpu_memory_gib"))
-    # the issue's targets are against the baseline; against another pipeline, only the figures
-    targets = reference == "baseline"
+    # The issue's targets are against the baseline, at the end of full runs. Against another
+    # pipeline, or for runs paused early (train.stop_at), only the figures.
+    stopped = sorted({r["steps"] for r in runs if r.get("status") == "stopped"})
+    targets = reference == "baseline" and not stopped
 
     def verdict(ok: bool, bar: str = "") -> str:
         return f" ({'met' if ok else 'not met'}{' for ' + bar if bar else ''})" if targets else ""
 
-    print(f"\n{'targets' if targets else 'figures'} (medians against {reference}'s):")
+    paused = f", runs paused at step {'/'.join(map(str, stopped))}" if stopped else ""
+    print(f"\n{'targets' if targets else 'figures'} (medians against {reference}'s{paused}):")
     for mode in modes:
         if mode == reference:
             continue
@@ -262,17 +265,37 @@ def location_test(ours: list[float], base: list[float], resamples: int = 20_000)
     return permutation_p(ours, base, lambda a, b: abs(statistics.mean(a) - statistics.mean(b)), resamples)
 
 
+def psnr_samples(runs: list[dict], mode: str, reference: str) -> list[tuple[str, list[float], list[float]]]:
+    """(label, mode's values, reference's values) for the 7k and the final test PSNR of every run.
+    The final line is left out where it repeats the 7k one (runs that ended or paused at 7k)."""
+    out = []
+    for label, value in (("7k", lambda r: psnr_at(r, 7000)), ("final", lambda r: r["final_test_psnr"])):
+        ours = [v for r in runs if r["mode"] == mode and (v := value(r)) is not None]
+        base = [v for r in runs if r["mode"] == reference and (v := value(r)) is not None]
+        if len(ours) >= 3 and len(base) >= 3 and not (out and out[0][1:] == (ours, base)):
+            out.append((label, ours, base))
+    return out
+
+
+def mean_difference_interval(ours: list[float], base: list[float], resamples: int = 10_000) -> tuple[float, float]:
+    """90% bootstrap interval of mean(ours) - mean(base), each sample resampled with replacement."""
+    rng = random.Random(0)
+    boot = sorted(
+        statistics.mean(rng.choices(ours, k=len(ours))) - statistics.mean(rng.choices(base, k=len(base)))
+        for _ in range(resamples)
+    )
+    return boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
+
+
 def print_location_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
-    """Is `mode`'s final test PSNR different from `reference`'s beyond seed noise? Every run counts."""
-    ours = [r["final_test_psnr"] for r in runs if r["mode"] == mode]
-    base = [r["final_test_psnr"] for r in runs if r["mode"] == reference]
-    if len(ours) < 3 or len(base) < 3:
-        return
-    print(f"  final test PSNR over every run, {mode} vs {reference} ({len(ours)} and {len(base)} runs): "
-          f"mean {statistics.mean(ours):.2f} vs {statistics.mean(base):.2f} dB "
-          f"({statistics.mean(ours) - statistics.mean(base):+.2f}), median {statistics.median(ours):.2f} vs "
-          f"{statistics.median(base):.2f} dB; two-sided permutation p = {location_test(ours, base):.3f} "
-          "for a difference of means")
+    """Is `mode`'s test PSNR different from `reference`'s beyond seed noise? Every run counts."""
+    for label, ours, base in psnr_samples(runs, mode, reference):
+        lo, hi = mean_difference_interval(ours, base)
+        print(f"  {label} test PSNR over every run, {mode} vs {reference} ({len(ours)} and {len(base)} runs): "
+              f"mean {statistics.mean(ours):.2f} vs {statistics.mean(base):.2f} dB "
+              f"({statistics.mean(ours) - statistics.mean(base):+.2f}, 90% interval [{lo:+.2f}, {hi:+.2f}]), "
+              f"median {statistics.median(ours):.2f} vs {statistics.median(base):.2f} dB; "
+              f"two-sided permutation p = {location_test(ours, base):.3f} for a difference of means")
 
 
 def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
@@ -285,11 +308,7 @@ def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) 
 
 def print_scatter_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
     """Does `mode` scatter more than `reference` from run to run? Every run counts, repeats too."""
-    for label, value in (("7k", lambda r: psnr_at(r, 7000)), ("final", lambda r: r["final_test_psnr"])):
-        ours = [v for r in runs if r["mode"] == mode and (v := value(r)) is not None]
-        base = [v for r in runs if r["mode"] == reference and (v := value(r)) is not None]
-        if len(ours) < 3 or len(base) < 3:
-            continue
+    for label, ours, base in psnr_samples(runs, mode, reference):
         print(f"  {label} test PSNR scatter, {mode} vs {reference} over {len(ours)} and {len(base)} runs: "
               f"SD {statistics.stdev(ours):.2f} vs {statistics.stdev(base):.2f} dB, "
               f"one-sided permutation p = {scatter_test(ours, base):.4f} for a wider scatter")

@@ -114,7 +114,7 @@ def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_p
     assert "| gstrain, 1 (GPU shared by 6) | 900.0 |" in out
     assert "| loss | 1.00 (0.50) | 1.00 (0.50) |" in out  # the shared runs' 99 ms left out
     line = next(x for x in out.splitlines() if "final test PSNR over every run, gstrain vs baseline" in x)
-    assert "(3 and 3 runs): mean 21.00 vs 21.00 dB (+0.00)" in line
+    assert "(3 and 3 runs): mean 21.00 vs 21.00 dB (+0.00, 90% interval [" in line
     assert float(line.split("p = ")[1].split()[0]) > 0.9
 
     # with no solo run of a pipeline there is no time ratio
@@ -134,6 +134,32 @@ def test_bench_train_location_test_separates_shifted_samples():
     base = [21.0, 21.2, 20.8, 21.1, 20.9, 21.0]
     assert bench.location_test([x - 1.0 for x in base], base, resamples=4000) < 0.01
     assert bench.location_test(base, list(reversed(base)), resamples=4000) > 0.99
+
+
+def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tmp_path, capsys):
+    bench = load_script("bench_train")
+    base = [21.0, 21.4, 20.6, 21.2, 20.8, 21.0]
+    runs = []
+    for seed, value in enumerate(base):
+        for mode, psnr in (("baseline", value), ("gstrain", value - 1.0)):
+            run = fake_run(mode, seed, 50.0, psnr, 1.0)
+            # paused by train.stop_at: the last test point is the 7k one
+            run.update(status="stopped", steps=7000, concurrent_jobs=8,
+                       test_history=[{"step": 0, "psnr": 8.0, "ssim": 0.1}, {"step": 7000, "psnr": psnr, "ssim": 0.9}])
+            runs.append(run)
+    bench.report(runs)
+    out = capsys.readouterr().out
+    assert "figures (medians against baseline's, runs paused at step 7000):" in out
+    assert "- gstrain: time: no runs that had the GPU alone, test PSNR -1.00 dB, peak memory" in out
+    assert "not met" not in out and "(met" not in out
+    # the final point is the 7k point, so each test prints once, for 7k
+    assert "final test PSNR" not in out
+    line = next(x for x in out.splitlines() if "7k test PSNR over every run" in x)
+    assert "mean 20.00 vs 21.00 dB (-1.00, 90% interval [" in line
+    lo, hi = (float(x) for x in line.split("90% interval [")[1].split("]")[0].split(", "))
+    assert lo <= -1.0 <= hi < 0.0  # a 1 dB shift over a 0.28 dB SD: the interval leaves zero out
+    assert float(line.split("p = ")[1].split()[0]) < 0.01
+    assert sum("7k test PSNR scatter" in x for x in out.splitlines()) == 1
 
 
 def test_memory_step_replay_counts_frees_of_older_blocks():
