@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gstrain.errors import UserError
-from gstrain.train.losses import psnr, ssim
+from gstrain.train.losses import psnr, ssim_conv
 
 # torchvision checkpoint file that lpips' backbone loads through torch.hub, per network.
 LPIPS_BACKBONE_FILES = {
@@ -98,7 +98,7 @@ class Metrics:
         b = gt.to(self.device, torch.float32)
         row: dict[str, float | None] = {
             "psnr": float(psnr(a, b)),
-            "ssim": float(ssim(a, b)),
+            "ssim": float(ssim_conv(a, b)),
             "lpips": float(self._lpips(a, b)) if self._lpips is not None else None,
         }
         self.per_image.append(row)

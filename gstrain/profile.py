@@ -139,7 +139,6 @@ class WorkloadSteps:
 
     def __init__(self, work: Workload, cfg: Config) -> None:
         from gstrain.render import Renderer
-        from gstrain.train.fused_ssim import install_ssim_impl
         from gstrain.train.optim import build_optimizers
         from gstrain.train.step import StepRunner
         from gstrain.train.strategy import Densifier
@@ -152,7 +151,6 @@ class WorkloadSteps:
         self.params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
         self.optimizers = build_optimizers(self.params, run_cfg.optim, work.extent)
         renderer = Renderer(run_cfg.render, self.device, absgrad=run_cfg.strategy.absgrad)
-        install_ssim_impl(self.device, run_cfg.train.fused_ssim)  # the loss this configuration trains with
         self.timer = PhaseTimer(self.device)
         self.runner = StepRunner(run_cfg, renderer, Densifier(run_cfg.strategy, work.extent, self.device),
                                  self.timer, self.device)  # fmt: skip

@@ -83,10 +83,7 @@ def make_trainer(scene, cfg_overrides: list[dict[str, Any]], base: list[dict[str
 
 
 def step(trainer) -> float:
-    """One training step with this trainer's own SSIM choice (the hook is process-wide)."""
-    from gstrain.train.fused_ssim import install_ssim_impl
-
-    install_ssim_impl(trainer.device, trainer.cfg.train.fused_ssim)
+    """One training step (each trainer's StepRunner carries its own loss)."""
     loss, _, _, _ = trainer.train_step(trainer.step)
     trainer.step += 1
     return float(loss)

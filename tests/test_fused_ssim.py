@@ -1,8 +1,8 @@
 """The fused SSIM kernels against ssim_conv in float64, and how the trainer picks an SSIM.
 
 GPU tests (marked `cuda`) check the value and the gradient on random and structured images of
-awkward sizes, identical images, that gt gets no gradient, and photometric_loss through the
-hook. The CPU tests check the selection logic and the fallbacks without a GPU.
+awkward sizes, identical images, that gt gets no gradient, and the fused loss against
+photometric_loss. The CPU tests check which loss a trainer picks, and the fallbacks, without a GPU.
 """
 
 from __future__ import annotations
@@ -14,17 +14,8 @@ from torch import Tensor
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train import fused_ssim as fused_mod
-from gstrain.train import losses
-from gstrain.train import trainer as trainer_mod
-from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim, install_ssim_impl, ssim_impl_for
-from gstrain.train.losses import (
-    get_ssim_impl,
-    photometric_loss,
-    set_loss_impl,
-    set_ssim_impl,
-    ssim_conv,
-    unfused_photometric_loss,
-)
+from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim, training_loss_for
+from gstrain.train.losses import photometric_loss, ssim_conv
 from gstrain.train.trainer import Trainer
 
 VALUE_TOL = 1e-5  # relative error of the mean SSIM
@@ -145,14 +136,12 @@ class TestFusedSsimCuda:
         torch.backends.cudnn.allow_tf32 = False
         try:
             for impl in (ssim_conv, fused_ssim):
-                set_ssim_impl(impl)
                 x = img.clone().requires_grad_(True)
-                loss, terms = photometric_loss(x, gt, ssim_lambda=0.2)
+                loss, terms = photometric_loss(x, gt, ssim_lambda=0.2, ssim_fn=impl)
                 loss.backward()
                 results.append((loss.detach(), terms["ssim"], x.grad))
         finally:
             torch.backends.cudnn.allow_tf32 = allow_tf32
-            set_ssim_impl(None)
         (conv_loss, conv_ssim, conv_grad), (fused_loss, fused_s, fused_grad) = results
         assert abs(fused_loss.item() - conv_loss.item()) / conv_loss.item() < VALUE_TOL
         assert abs(fused_s.item() - conv_ssim.item()) / conv_ssim.item() < VALUE_TOL
@@ -163,7 +152,7 @@ class TestFusedSsimCuda:
         img, gt = structured_pair(75, 130, seed=11)
         gt[:10, :10] = img[:10, :10]  # equal pixels: |x - y| has gradient 0 there, as in torch
         x64 = img.double().requires_grad_(True)
-        want, want_terms = unfused_photometric_loss(x64, gt.double(), lam)  # ssim_conv in float64
+        want, want_terms = photometric_loss(x64, gt.double(), lam)  # ssim_conv in float64
         want.backward()
         x = img.cuda().requires_grad_(True)
         got, terms = fused_photometric_loss(x, gt.cuda(), lam)
@@ -176,72 +165,47 @@ class TestFusedSsimCuda:
         if lam == 0.0:  # pure L1: no gradient where the render already equals the photo
             assert x.grad[:10, :10].abs().max().item() == 0.0
 
-    def test_fused_loss_batched_and_through_the_hook(self):
+    def test_fused_loss_batched(self):
         img, gt = (t.cuda() for t in random_pair(33, 47, batch=2, seed=5))
-        previous = set_loss_impl(fused_photometric_loss)
-        try:
-            fused, _ = photometric_loss(img, gt, 0.3)
-        finally:
-            set_loss_impl(previous)
-        plain, _ = unfused_photometric_loss(img.double(), gt.double(), 0.3)
+        fused, _ = fused_photometric_loss(img, gt, 0.3)
+        plain, _ = photometric_loss(img.double(), gt.double(), 0.3)
         assert abs(fused.item() - plain.item()) < VALUE_TOL * plain.item()
 
-    def test_trainer_installs_fused_on_cuda_unless_disabled(self, demo_scene, tmp_path):
+    def test_each_cuda_trainer_keeps_its_own_loss(self, demo_scene, tmp_path):
         scene = load_scene(demo_scene)
-        try:
-            for enabled, want in ((True, fused_ssim), (False, ssim_conv), (True, fused_ssim)):
-                cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
-                Trainer(cfg, scene, tmp_path / f"run_{enabled}", torch.device("cuda"), log=lambda m: None)
-                assert get_ssim_impl() is want
-                assert losses.get_loss_impl() is (fused_photometric_loss if enabled else None)
-        finally:
-            set_ssim_impl(None)
-            set_loss_impl(None)
+        trainers = {}
+        for enabled in (True, False):
+            cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
+            trainers[enabled] = Trainer(cfg, scene, tmp_path / f"run_{enabled}", torch.device("cuda"),
+                                        log=lambda m: None)  # fmt: skip
+        # the conv trainer, built second, leaves the fused one's loss alone
+        assert trainers[True].runner.loss_fn is fused_photometric_loss
+        assert trainers[False].runner.loss_fn is photometric_loss
+        for trainer in trainers.values():
+            loss, _, _, _ = trainer.train_step(0)
+            assert torch.isfinite(loss)
 
 
 # ----------------------------------------------------------------------------- CPU
 
 
-def test_impl_choice_by_device_and_flag():
-    assert ssim_impl_for(torch.device("cuda"), True) is fused_ssim
-    assert ssim_impl_for(torch.device("cuda", 0), True) is fused_ssim
-    assert ssim_impl_for(torch.device("cuda"), False) is ssim_conv
-    assert ssim_impl_for(torch.device("cpu"), True) is ssim_conv
-    assert ssim_impl_for(torch.device("cpu"), False) is ssim_conv
-
-
-def test_install_builds_only_for_the_fused_impl(monkeypatch):
+def test_loss_choice_by_device_and_flag_builds_only_for_the_fused_one(monkeypatch):
     builds = []
     monkeypatch.setattr(fused_mod, "ensure_built", lambda: builds.append(1))
-    try:
-        assert install_ssim_impl(torch.device("cuda"), True) is fused_ssim
-        assert get_ssim_impl() is fused_ssim and builds == [1]
-        assert losses.get_loss_impl() is fused_photometric_loss
-        assert install_ssim_impl(torch.device("cuda"), False) is ssim_conv
-        assert get_ssim_impl() is ssim_conv and builds == [1]
-        assert losses.get_loss_impl() is None
-    finally:
-        set_ssim_impl(None)
-        set_loss_impl(None)
+    assert training_loss_for(torch.device("cuda"), True) is fused_photometric_loss and builds == [1]
+    assert training_loss_for(torch.device("cuda", 0), True) is fused_photometric_loss and builds == [1, 1]
+    assert training_loss_for(torch.device("cuda"), False) is photometric_loss
+    assert training_loss_for(torch.device("cpu"), True) is photometric_loss
+    assert training_loss_for(torch.device("cpu"), False) is photometric_loss
+    assert builds == [1, 1]
 
 
-def test_trainer_on_cpu_uses_conv_and_passes_the_flag(demo_scene, tmp_path, monkeypatch):
+def test_trainer_on_cpu_trains_with_the_conv_loss(demo_scene, tmp_path):
     scene = load_scene(demo_scene)
-    previous = set_ssim_impl(fused_ssim)  # as a CUDA trainer earlier in this process would leave it
-    try:
-        cfg = build_config(overrides=[{"train": {"steps": 1}}])
-        assert cfg.train.fused_ssim is True
-        Trainer(cfg, scene, tmp_path / "a", torch.device("cpu"), log=lambda m: None)
-        assert get_ssim_impl() is ssim_conv
-
-        calls = []
-        monkeypatch.setattr(trainer_mod, "install_ssim_impl", lambda dev, on: calls.append((dev.type, on)))
-        for enabled in (True, False):
-            cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
-            Trainer(cfg, scene, tmp_path / f"b_{enabled}", torch.device("cpu"), log=lambda m: None)
-        assert calls == [("cpu", True), ("cpu", False)]
-    finally:
-        set_ssim_impl(previous)
+    cfg = build_config(overrides=[{"train": {"steps": 1}}])
+    assert cfg.train.fused_ssim is True  # the default asks for it; the CPU cannot run it
+    trainer = Trainer(cfg, scene, tmp_path / "a", torch.device("cpu"), log=lambda m: None)
+    assert trainer.runner.loss_fn is photometric_loss
 
 
 def test_only_the_3dgs_window_is_supported():

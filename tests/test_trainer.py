@@ -11,7 +11,6 @@ import torch
 
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
-from gstrain.train import step as step_mod
 from gstrain.train.checkpoint import list_checkpoints
 from gstrain.train.trainer import Trainer, ViewSampler
 
@@ -44,7 +43,7 @@ def test_sampler_visits_every_view_and_resumes():
 
 def test_nan_stops_and_keeps_last_good_checkpoint(scene, tmp_path, monkeypatch):
     trainer = make_trainer(scene, tmp_path / "run")
-    real_loss = step_mod.photometric_loss
+    real_loss = trainer.runner.loss_fn
     calls = {"n": 0}
 
     def poisoned(image, gt, lam):
@@ -54,7 +53,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(scene, tmp_path, monkeypatch):
             loss = loss * float("nan")
         return loss, terms
 
-    monkeypatch.setattr(step_mod, "photometric_loss", poisoned)
+    monkeypatch.setattr(trainer.runner, "loss_fn", poisoned)
     result = trainer.fit()
     assert result.status == "nan"
     steps = [s for s, _ in list_checkpoints(tmp_path / "run")]

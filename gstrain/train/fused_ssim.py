@@ -8,7 +8,7 @@ sigma 1.5, zero padding, same-size map, mean over pixels and channels.
 fused_photometric_loss goes one step further: the whole 3DGS loss, (1 - lambda) L1 +
 lambda (1 - SSIM), from the same two kernels (the L1 sum rides along in the forward's block
 sums, its sign in the backward), which saves the dozen small launches and autograd nodes of the
-unfused loss: host time, on a GPU that waits for the host.
+conv loss: host time, on a GPU that waits for the host.
 
 The extension (gstrain_ssim) is compiled on first use. Only `img` gets a gradient; `gt` is
 treated as a constant.
@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gstrain.cuda_build import load_extension
-from gstrain.train.losses import SsimImpl, set_loss_impl, set_ssim_impl, ssim_conv
+from gstrain.train.losses import LossFn, photometric_loss, ssim_conv
 
 WINDOW = 11
 SIGMA = 1.5
@@ -90,10 +90,8 @@ def fused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) ->
     (1 - lambda) L1 + lambda (1 - SSIM) with the 3DGS SSIM; terms come back detached. Inputs
     the kernels do not take (CPU, another dtype) go to the unfused loss.
     """
-    from gstrain.train.losses import unfused_photometric_loss
-
     if img.shape != gt.shape or img.dim() not in (3, 4) or not _fusable(img, gt):
-        return unfused_photometric_loss(img, gt, ssim_lambda)
+        return photometric_loss(img, gt, ssim_lambda)
     if img.dim() == 3:
         img, gt = img.unsqueeze(0), gt.unsqueeze(0)
     loss, ssim_value, l1 = _FusedLoss.apply(img.contiguous(), gt.detach().contiguous(), float(ssim_lambda))
@@ -120,20 +118,14 @@ def fused_ssim(img: Tensor, gt: Tensor, window: int = WINDOW, sigma: float = SIG
     return _FusedSsim.apply(img.contiguous(), gt.detach().contiguous())
 
 
-def ssim_impl_for(device: torch.device, enabled: bool) -> SsimImpl:
-    """The SSIM a trainer on `device` uses: fused on CUDA when enabled, else the convolutions."""
-    return fused_ssim if enabled and torch.device(device).type == "cuda" else ssim_conv
-
-
-def install_ssim_impl(device: torch.device, enabled: bool) -> SsimImpl:
-    """Choose and install (set_ssim_impl) the SSIM for `device`; returns it.
+def training_loss_for(device: torch.device, fused: bool) -> LossFn:
+    """The loss a trainer on `device` trains with: the fused kernels on CUDA when enabled, else
+    L1 + SSIM as PyTorch convolutions (losses.photometric_loss).
 
     The fused extension is built here, before any timed step, so a compile or a missing
     toolchain shows up at start-up rather than inside the first step.
     """
-    impl = ssim_impl_for(device, enabled)
-    if impl is fused_ssim:
+    if fused and torch.device(device).type == "cuda":
         ensure_built()
-    set_ssim_impl(impl)
-    set_loss_impl(fused_photometric_loss if impl is fused_ssim else None)
-    return impl
+        return fused_photometric_loss
+    return photometric_loss

@@ -3,8 +3,8 @@
 Images are [H, W, C] (or [B, H, W, C]) float in [0, 1]. Everything stays on the images'
 device and never syncs with the host (no .item()), so it can sit inside a timed training step.
 
-SSIM goes through a swappable implementation: the default is separable Gaussian convolutions in
-plain PyTorch; a fused CUDA kernel can be installed with set_ssim_impl() without touching callers.
+SSIM here is separable Gaussian convolutions in plain PyTorch, the reference. The fused CUDA
+loss (fused_ssim.py) has the same contract; each StepRunner picks its own (no global switch).
 """
 
 from __future__ import annotations
@@ -74,26 +74,6 @@ def ssim_conv(img: Tensor, gt: Tensor, window: int = 11, sigma: float = 1.5) -> 
     return (num / den).mean()
 
 
-_ssim_impl: SsimImpl = ssim_conv
-
-
-def set_ssim_impl(fn: SsimImpl | None) -> SsimImpl:
-    """Install the SSIM implementation ssim() uses (None restores ssim_conv); returns the previous one."""
-    global _ssim_impl
-    previous = _ssim_impl
-    _ssim_impl = ssim_conv if fn is None else fn
-    return previous
-
-
-def get_ssim_impl() -> SsimImpl:
-    return _ssim_impl
-
-
-def ssim(img: Tensor, gt: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
-    """Mean SSIM (scalar tensor) through the installed implementation."""
-    return _ssim_impl(img, gt, window, sigma)
-
-
 def l1_loss(img: Tensor, gt: Tensor) -> Tensor:
     return (img - gt).abs().mean()
 
@@ -104,33 +84,15 @@ def psnr(img: Tensor, gt: Tensor) -> Tensor:
     return -10.0 * torch.log10(mse)
 
 
-# (img, gt, ssim_lambda) -> (loss, detached terms): a fused replacement of the whole loss, or None.
-LossImpl = Callable[[Tensor, Tensor, float], tuple[Tensor, dict[str, Tensor]]]
-_loss_impl: LossImpl | None = None
+# (img, gt, ssim_lambda) -> (loss, detached terms): the contract of every training loss.
+LossFn = Callable[[Tensor, Tensor, float], tuple[Tensor, dict[str, Tensor]]]
 
 
-def set_loss_impl(fn: LossImpl | None) -> LossImpl | None:
-    """Install a fused photometric loss (None: compose it from l1_loss and ssim); returns the previous one."""
-    global _loss_impl
-    previous = _loss_impl
-    _loss_impl = fn
-    return previous
-
-
-def get_loss_impl() -> LossImpl | None:
-    return _loss_impl
-
-
-def photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+def photometric_loss(
+    img: Tensor, gt: Tensor, ssim_lambda: float = 0.2, ssim_fn: SsimImpl = ssim_conv
+) -> tuple[Tensor, dict[str, Tensor]]:
     """(1 - λ)·L1 + λ·(1 - SSIM), the 3DGS training loss; terms come back detached for logging."""
-    if _loss_impl is not None:
-        return _loss_impl(img, gt, ssim_lambda)
-    return unfused_photometric_loss(img, gt, ssim_lambda)
-
-
-def unfused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
-    """photometric_loss from its parts: l1_loss and the installed ssim()."""
     l1 = l1_loss(img, gt)
-    s = ssim(img, gt)
+    s = ssim_fn(img, gt, 11, 1.5)
     loss = (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s)
     return loss, {"l1": l1.detach(), "ssim": s.detach(), "loss": loss.detach()}

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gstrain.config import Config
 from gstrain.render import Renderer
-from gstrain.train.losses import photometric_loss
+from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.strategy import Densifier
 from gstrain.train.timing import PhaseTimer
 
@@ -42,6 +42,8 @@ class StepRunner:
         self.renderer = renderer
         self.densifier = densifier
         self.timer = timer
+        # this runner's own loss: two runners in one process may train with different ones
+        self.loss_fn = training_loss_for(device, cfg.train.fused_ssim)
         self.fused_adam = None
         if device.type == "cuda" and cfg.optim.fused_adam:
             from gstrain.train.fused_adam import FusedAdam
@@ -67,7 +69,7 @@ class StepRunner:
             image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
         self.densifier.pre_backward(params, optimizers, step, info)
         with timer.phase("loss"):
-            loss, terms = photometric_loss(image, gt, self.cfg.train.ssim_lambda)
+            loss, terms = self.loss_fn(image, gt, self.cfg.train.ssim_lambda)
             reg = self.densifier.mcmc_regularisers(params)
             if reg is not None:
                 loss = loss + reg

@@ -24,7 +24,6 @@ from gstrain.evaluate import Metrics
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
-from gstrain.train.fused_ssim import install_ssim_impl
 from gstrain.train.losses import psnr
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
 from gstrain.train.step import StepRunner
@@ -141,8 +140,6 @@ class Trainer:
         self.log = log
         self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
         self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad)
-        # process-wide SSIM hook: set either way, so a previous trainer's choice never leaks in
-        install_ssim_impl(device, cfg.train.fused_ssim)
         # Images live on the device as uint8 (a quarter of float32) and are converted per step.
         self.train_images = [v.image.to(device) for v in scene.train]
         self.train_cams = [(v.viewmat.to(device), v.K.to(device)) for v in scene.train]
