@@ -190,6 +190,8 @@ def report(runs: list[dict], repeats: list[dict] = (), reference: str = "baselin
             cells.append(cell + (f" ({statistics.median(host):.2f})" if host else ""))
         print(f"| {ph} | " + " | ".join(cells) + " |")
 
+    print_per_view(runs, modes)
+
     shared = sorted({r.get("concurrent_jobs") or 1 for r in [*runs, *repeats]} - {1})
     if shared:
         print(f"\nnote: runs made with --jobs {'/'.join(map(str, shared))} shared the GPU; "
@@ -225,6 +227,25 @@ def report(runs: list[dict], repeats: list[dict] = (), reference: str = "baselin
         print_psnr_spread(runs, mode, reference)
         print_location_test([*runs, *repeats], mode, reference)
         print_scatter_test([*runs, *repeats], mode, reference)
+
+
+def print_per_view(runs: list[dict], modes: list[str]) -> None:
+    """Mean (SD) of each held-out view's final test PSNR over every pipeline's runs: where the
+    run-to-run noise sits, and whether any one view tells the pipelines apart."""
+    scored = [r for r in runs if r.get("final_test_views_psnr")]
+    views = sorted({v for r in scored for v in r["final_test_views_psnr"]})
+    if not views:
+        return
+    print("\nfinal test PSNR per held-out view, mean (SD) over the runs that scored it:")
+    print("| view | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
+    for view in views:
+        cells = []
+        for mode in modes:
+            vals = [r["final_test_views_psnr"][view] for r in scored
+                    if r["mode"] == mode and view in r["final_test_views_psnr"]]  # fmt: skip
+            sd = f" ({statistics.stdev(vals):.1f})" if len(vals) > 1 else ""
+            cells.append(f"{statistics.mean(vals):.1f}{sd}" if vals else "–")
+        print(f"| {view} | " + " | ".join(cells) + " |")
 
 
 def print_psnr_spread(runs: list[dict], mode: str, reference: str = "baseline", resamples: int = 10_000) -> None:

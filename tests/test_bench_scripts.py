@@ -160,6 +160,22 @@ def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tm
     assert lo <= -1.0 <= hi < 0.0  # a 1 dB shift over a 0.28 dB SD: the interval leaves zero out
     assert float(line.split("p = ")[1].split()[0]) < 0.01
     assert sum("7k test PSNR scatter" in x for x in out.splitlines()) == 1
+    assert "per held-out view" not in out  # these runs carry no per-view scores
+
+
+def test_bench_train_per_view_table(capsys):
+    bench = load_script("bench_train")
+    runs = []
+    for seed, (a, b) in enumerate([(20.0, 25.0), (22.0, 25.0), (24.0, 25.0)]):
+        for mode, shift in (("baseline", 0.0), ("gstrain", 1.0)):
+            run = fake_run(mode, seed, 50.0, 21.0, 1.0)
+            run["final_test_views_psnr"] = {"0008.jpg": a + shift, "0000.jpg": b}
+            runs.append(run)
+    bench.report(runs)
+    out = capsys.readouterr().out
+    assert "| view | baseline | gstrain |" in out
+    assert "| 0000.jpg | 25.0 (0.0) | 25.0 (0.0) |" in out  # sorted by view name
+    assert "| 0008.jpg | 22.0 (2.0) | 23.0 (2.0) |" in out
 
 
 def test_memory_step_replay_counts_frees_of_older_blocks():
