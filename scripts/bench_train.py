@@ -248,6 +248,16 @@ def print_per_view(runs: list[dict], modes: list[str]) -> None:
         print(f"| {view} | " + " | ".join(cells) + " |")
 
 
+def bootstrap_interval(ours: list[float], base: list[float], center=statistics.mean,
+                       resamples: int = 10_000) -> tuple[float, float]:  # fmt: skip
+    """90% bootstrap interval of center(ours) - center(base), each sample resampled with replacement."""
+    rng = random.Random(0)
+    boot = sorted(
+        center(rng.choices(ours, k=len(ours))) - center(rng.choices(base, k=len(base))) for _ in range(resamples)
+    )
+    return boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
+
+
 def print_psnr_spread(runs: list[dict], mode: str, reference: str = "baseline", resamples: int = 10_000) -> None:
     """How far seed noise goes: seed-for-seed PSNR differences, and a bootstrap over seeds of the
     difference of medians (each pipeline's runs resampled with replacement)."""
@@ -259,13 +269,7 @@ def print_psnr_spread(runs: list[dict], mode: str, reference: str = "baseline", 
               f"mean {statistics.mean(diffs):+.2f}, median {statistics.median(diffs):+.2f}")
     if len(base) < 3 or len(ours) < 3:
         return
-    rng = random.Random(0)
-    a, b = list(ours.values()), list(base.values())
-    boot = sorted(
-        statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
-        for _ in range(resamples)
-    )
-    lo, hi = boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
+    lo, hi = bootstrap_interval(list(ours.values()), list(base.values()), statistics.median, resamples)
     print(f"  difference of median test PSNR, 90% seed-bootstrap interval: [{lo:+.2f}, {hi:+.2f}] dB")
 
 
@@ -298,20 +302,10 @@ def psnr_samples(runs: list[dict], mode: str, reference: str) -> list[tuple[str,
     return out
 
 
-def mean_difference_interval(ours: list[float], base: list[float], resamples: int = 10_000) -> tuple[float, float]:
-    """90% bootstrap interval of mean(ours) - mean(base), each sample resampled with replacement."""
-    rng = random.Random(0)
-    boot = sorted(
-        statistics.mean(rng.choices(ours, k=len(ours))) - statistics.mean(rng.choices(base, k=len(base)))
-        for _ in range(resamples)
-    )
-    return boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
-
-
 def print_location_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
     """Is `mode`'s test PSNR different from `reference`'s beyond seed noise? Every run counts."""
     for label, ours, base in psnr_samples(runs, mode, reference):
-        lo, hi = mean_difference_interval(ours, base)
+        lo, hi = bootstrap_interval(ours, base)
         print(f"  {label} test PSNR over every run, {mode} vs {reference} ({len(ours)} and {len(base)} runs): "
               f"mean {statistics.mean(ours):.2f} vs {statistics.mean(base):.2f} dB "
               f"({statistics.mean(ours) - statistics.mean(base):+.2f}, 90% interval [{lo:+.2f}, {hi:+.2f}]), "

@@ -25,10 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gstrain.cuda_build import load_extension
-from gstrain.train.losses import LossFn, photometric_loss, ssim_conv
-
-WINDOW = 11
-SIGMA = 1.5
+from gstrain.train.losses import SSIM_SIGMA, SSIM_WINDOW, LossFn, photometric_loss, ssim_conv
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_PATHS = (_CSRC / "bindings.cpp", _CSRC / "fused_ssim.cu")
@@ -98,15 +95,15 @@ def fused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) ->
     return loss, {"l1": l1, "ssim": ssim_value, "loss": loss.detach()}
 
 
-def fused_ssim(img: Tensor, gt: Tensor, window: int = WINDOW, sigma: float = SIGMA) -> Tensor:
+def fused_ssim(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA) -> Tensor:
     """Mean SSIM (scalar tensor) of [H,W,C] or [B,H,W,C] images; ssim_conv's contract.
 
     Float32 CUDA images of at least one pixel take the fused kernels; anything else (CPU,
     another dtype, an empty image) goes to ssim_conv, so an installed fused implementation never
     breaks a caller that scores on the CPU. Only the 3DGS window (11, sigma 1.5) is supported.
     """
-    if window != WINDOW or float(sigma) != SIGMA:
-        raise ValueError(f"fused SSIM supports only window={WINDOW}, sigma={SIGMA}; got {window}, {sigma}")
+    if window != SSIM_WINDOW or float(sigma) != SSIM_SIGMA:
+        raise ValueError(f"fused SSIM supports only window={SSIM_WINDOW}, sigma={SSIM_SIGMA}; got {window}, {sigma}")
     if img.shape != gt.shape:
         raise ValueError(f"image shapes differ: {tuple(img.shape)} vs {tuple(gt.shape)}")
     if img.dim() not in (3, 4):

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+SSIM_WINDOW = 11  # the 3DGS SSIM: an 11x11 Gaussian window of sigma 1.5
+SSIM_SIGMA = 1.5
 SSIM_C1 = 0.01**2
 SSIM_C2 = 0.03**2
 
@@ -44,7 +46,7 @@ def _as_nchw(img: Tensor) -> Tensor:
     return img.permute(0, 3, 1, 2)
 
 
-def ssim_conv(img: Tensor, gt: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
+def ssim_conv(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA) -> Tensor:
     """Mean SSIM with a Gaussian window, as the original 3DGS computes it.
 
     Same-size output: zero padding of window // 2 on each side, so border pixels are included
@@ -93,6 +95,6 @@ def photometric_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(1 - λ)·L1 + λ·(1 - SSIM), the 3DGS training loss; terms come back detached for logging."""
     l1 = l1_loss(img, gt)
-    s = ssim_fn(img, gt, 11, 1.5)
+    s = ssim_fn(img, gt, SSIM_WINDOW, SSIM_SIGMA)
     loss = (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s)
     return loss, {"l1": l1.detach(), "ssim": s.detach(), "loss": loss.detach()}
