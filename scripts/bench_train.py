@@ -18,6 +18,12 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
         (quality only: several runs share the GPU at once, so their times are not speed figures)
     python3 scripts/bench_train.py SCENE --steps 30000 --extra "--set train.stop_at=7000" ...
         (the 7k point of 30k runs, at a quarter of their cost: the schedules still span 30k)
+    python3 scripts/bench_train.py SCENE --steps 30000 --fork-at 7000 --pipelines baseline,gstrain,gstrain ...
+        (paired runs: for each seed, gstrain (--fork-from) trains to step 7000 and pauses; each
+        pipeline then resumes its own copy of that checkpoint to step 30000. Every pipeline starts
+        its last 23k steps from the same state, so the seed-to-seed noise of the first 7k cancels
+        in the differences. A pipeline named twice runs twice from each fork ("_twin"): the
+        spread of those differences is the noise the pairing leaves, float atomics alone.)
 
 Float atomics make runs diverge (densification differs), hence several seeds and medians.
 """
@@ -28,12 +34,14 @@ import argparse
 import concurrent.futures
 import json
 import os
-import random
-import statistics
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
+from bench_report import load_runs, report  # noqa: E402
 
 # Every speed switch off, and checkpoints only at the end as gsplat's example trainer does.
 BASELINE = ["--atomic-mode", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
@@ -49,30 +57,75 @@ PIPELINES = {
     "sparse-adam": ["--set", "optim.sparse_adam=true"],
 }
 
-
-STEP_PHASES = ("data", "forward", "loss", "backward", "optimizer", "densify")  # top-level phases
-
-
 # Every pipeline scores all training views after its loop (outside the timed part): a view the
 # model never fitted tells a failed run from an overfitted one.
 COMMON = ["--set", "log.eval_train_views=true"]
 
 
-def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str], commit: str | None,
-            jobs: int = 1) -> dict:
-    run_dir = out / f"{mode}_seed{seed}"
-    cmd = [sys.executable, "-m", "gstrain", "fit", str(scene), "--out", str(run_dir), "--steps", str(steps),
-           "--seed", str(seed), "--device", "cuda", *COMMON, *PIPELINES[mode], *extra]
+def fit(cmd: list[str], run_dir: Path) -> tuple[dict, float]:
+    """Run one `gstrain fit` command; its train_summary.json and the process's wall seconds."""
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((run_dir / "train_summary.json").read_text())
+    return json.loads((run_dir / "train_summary.json").read_text()), wall
+
+
+def fit_command(scene: Path, run_dir: Path, mode: str, extra: list[str], device: str) -> list[str]:
+    return [sys.executable, "-m", "gstrain", "fit", str(scene), "--out", str(run_dir), "--device", device,
+            *COMMON, *PIPELINES[mode], *extra]
+
+
+def save_run(out: Path, name: str, summary: dict) -> dict:
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))  # kept if a later run dies
+    return summary
+
+
+def run_one(scene: Path, mode: str, seed: int, steps: int, out: Path, extra: list[str], commit: str | None,
+            jobs: int = 1, device: str = "cuda") -> dict:
+    run_dir = out / f"{mode}_seed{seed}"
+    cmd = fit_command(scene, run_dir, mode, ["--steps", str(steps), "--seed", str(seed), *extra], device)
+    summary, wall = fit(cmd, run_dir)
     # concurrent_jobs > 1: the GPU was shared, so the run's times are no speed figure
     summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2), commit=commit, concurrent_jobs=jobs)
-    (out / f"{mode}_seed{seed}.json").write_text(json.dumps(summary, indent=2))  # kept if a later run dies
+    return save_run(out, f"{mode}_seed{seed}", summary)
+
+
+def trunk_dir(out: Path, seed: int) -> Path:
+    return out / "trunks" / f"seed{seed}"
+
+
+def run_trunk(scene: Path, mode: str, seed: int, steps: int, fork_at: int, out: Path, extra: list[str],
+              device: str = "cuda") -> dict:
+    """The shared start of one fork: `mode` trained to step `fork_at` of a `steps`-step run (its
+    schedules span all `steps`) and paused there with a checkpoint (train.stop_at)."""
+    run_dir = trunk_dir(out, seed)
+    cmd = fit_command(scene, run_dir, mode, ["--steps", str(steps), "--seed", str(seed), *extra,
+                                             "--set", f"train.stop_at={fork_at}"], device)  # fmt: skip
+    summary, _ = fit(cmd, run_dir)
+    if summary.get("status") != "stopped" or summary.get("steps") != fork_at:
+        raise SystemExit(f"the trunk in {run_dir} did not pause at step {fork_at}: {summary.get('status')}")
+    summary.update(mode=mode, seed=seed)
+    (run_dir.parent / f"seed{seed}.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def run_branch(scene: Path, mode: str, twin: int, seed: int, trunk: dict, out: Path, extra: list[str],
+               commit: str | None, jobs: int = 1, device: str = "cuda") -> dict:
+    """`mode` continues its own copy of the seed's trunk to the end (--resume with its switches).
+    Its summary gets the trunk's test points up to the fork, so that its curve reads as one run."""
+    name = f"{mode}{f'_twin{twin}' if twin else ''}_seed{seed}"
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(trunk_dir(out, seed), run_dir)
+    summary, wall = fit(fit_command(scene, run_dir, mode, ["--resume", *extra, "--set", "train.stop_at=0"], device),
+                        run_dir)  # fmt: skip
+    fork_at = trunk["steps"]
+    summary["test_history"] = [p for p in trunk["test_history"] if p["step"] <= fork_at] + summary["test_history"]
+    summary.update(mode=mode, seed=seed, process_wall_s=round(wall, 2), commit=commit, concurrent_jobs=jobs,
+                   fork={"at": fork_at, "trunk": trunk["mode"]}, twin=twin)  # fmt: skip
+    return save_run(out, name, summary)
 
 
 def build_extensions() -> None:
@@ -86,247 +139,12 @@ def build_extensions() -> None:
         build()
 
 
-def median_spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{fmt.format(mid)} ({fmt.format(lo)}–{fmt.format(hi)})"
-
-
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-
-
-def psnr_at(run: dict, step: int) -> float | None:
-    for point in run.get("test_history") or []:
-        if point["step"] == step:
-            return point["psnr"]
-    return None
-
-
-def parse_source(text: str) -> tuple[Path, set[str] | None]:
-    """'DIR' (every pipeline's runs in it) or 'DIR:P1+P2' (only those pipelines' runs): a folder
-    from an older commit can add the runs of a pipeline whose code has not changed since."""
-    head, sep, tail = text.rpartition(":")
-    if sep and tail and all(name in PIPELINES for name in tail.split("+")):
-        return Path(head), set(tail.split("+"))
-    return Path(text), None
-
-
-def load_runs(dirs: list[Path | str], seeds: list[int] | None = None) -> tuple[list[dict], list[dict]]:
-    """The per-run JSONs under `dirs` (only those of `seeds`, if given; see parse_source). The
-    first run of each (pipeline, seed) counts towards the medians; later ones (the same seed
-    again) are repeats: they show the run-to-run spread."""
-    runs, repeats, seen = [], [], set()
-    for source in dirs:
-        d, only = parse_source(str(source))
-        for path in sorted(d.glob("*_seed*.json")):
-            run = json.loads(path.read_text())
-            if (seeds is not None and run["seed"] not in seeds) or (only is not None and run["mode"] not in only):
-                continue
-            run.setdefault("source", d.name)
-            key = (run["mode"], run["seed"])
-            (repeats if key in seen else runs).append(run)
-            seen.add(key)
-    return runs, repeats
-
-
-def report(runs: list[dict], repeats: list[dict] = (), reference: str = "baseline") -> None:
-    """Markdown tables: medians (spread) per pipeline, every run, per-phase time, and the targets
-    and noise tests of every other pipeline against `reference` (the baseline by default)."""
-    modes = list(dict.fromkeys(r["mode"] for r in runs))
-
-    def of(mode: str, key, rows=runs) -> list[float]:
-        vals = [key(r) if callable(key) else r.get(key) for r in rows if r["mode"] == mode]
-        return [float(v) for v in vals if v is not None]
-
-    # Times count only from runs that had the GPU to themselves; quality and memory from all.
-    solo = [r for r in runs if (r.get("concurrent_jobs") or 1) == 1]
-
-    print("| pipeline | seeds | train loop s | wall ms / step | test PSNR | test SSIM | Gaussians | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mode in modes:
-        seeds = ",".join(str(r["seed"]) for r in runs if r["mode"] == mode)
-        print(f"| {mode} | {seeds} | {median_spread(of(mode, 'seconds', solo), '{:.1f}')} | "
-              f"{median_spread(of(mode, 'wall_ms_per_step', solo))} | {median_spread(of(mode, 'final_test_psnr'))} | "
-              f"{median_spread(of(mode, 'final_test_ssim'), '{:.3f}')} | "
-              f"{median_spread(of(mode, 'num_gaussians'), '{:,.0f}')} | "
-              f"{median_spread(of(mode, 'peak_gpu_memory_gib'), '{:.3f}')} |")
-
-    print("\n| pipeline, seed | train loop s | wall ms / step | test PSNR 7k → final | train PSNR | SSIM "
-          "| Gaussians (most) | peak GiB | commit |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    # train PSNR: all training views' mean (worst view) where scored, else the last logged view
-    for r in sorted([*runs, *repeats], key=lambda r: (r["seed"], modes.index(r["mode"]) if r["mode"] in modes else 0)):
-        tag = " (repeat)" if any(r is x for x in repeats) else ""
-        if (r.get("concurrent_jobs") or 1) > 1:
-            tag += f" (GPU shared by {r['concurrent_jobs']})"
-        at7k = psnr_at(r, 7000)
-        views = r.get("final_train_views")
-        train = r.get("final_train_psnr")
-        train_cell = (f"{views['psnr']:.2f} ({views['min_psnr']:.2f})" if views
-                      else '–' if train is None else f"{train:.2f}")
-        print(f"| {r['mode']}, {r['seed']}{tag} | {r['seconds']:.1f} | {r['wall_ms_per_step']:.2f} | "
-              f"{'–' if at7k is None else f'{at7k:.2f}'} → {r['final_test_psnr']:.2f} | "
-              f"{train_cell} | {r['final_test_ssim']:.3f} | "
-              f"{r['num_gaussians']:,}{f' ({most:,})' if (most := r.get('max_gaussians')) else ''} | "
-              f"{r['peak_gpu_memory_gib']:.3f} | {r.get('commit') or r.get('source') or '–'} |")
-
-    print("\nper-phase ms per step, GPU events (host ms), median over the runs that had the GPU alone:")
-    print("| phase | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
-    phases = list(dict.fromkeys(k for r in solo for k in (r.get("phase_ms_per_step") or {})))
-    for ph in phases:
-        cells = []
-        for mode in modes:
-            gpu = of(mode, lambda r, ph=ph: (r.get("phase_ms_per_step") or {}).get(ph), solo)
-            host = of(mode, lambda r, ph=ph: (r.get("host_ms_per_step") or {}).get(ph), solo)
-            cell = f"{statistics.median(gpu):.2f}" if gpu else "–"
-            cells.append(cell + (f" ({statistics.median(host):.2f})" if host else ""))
-        print(f"| {ph} | " + " | ".join(cells) + " |")
-
-    print_per_view(runs, modes)
-
-    shared = sorted({r.get("concurrent_jobs") or 1 for r in [*runs, *repeats]} - {1})
-    if shared:
-        print(f"\nnote: runs made with --jobs {'/'.join(map(str, shared))} shared the GPU; "
-              "their times are not speed figures and count in no time median")
-    if reference not in modes:
-        return
-    base_times = of(reference, "seconds", solo)
-    base_psnr = statistics.median(of(reference, "final_test_psnr"))
-    base_mem = statistics.median(of(reference, "peak_gpu_memory_gib"))
-    # The issue's targets are against the baseline, at the end of full runs. Against another
-    # pipeline, or for runs paused early (train.stop_at), only the figures.
-    stopped = sorted({r["steps"] for r in runs if r.get("status") == "stopped"})
-    targets = reference == "baseline" and not stopped
-
-    def verdict(ok: bool, bar: str = "") -> str:
-        return f" ({'met' if ok else 'not met'}{' for ' + bar if bar else ''})" if targets else ""
-
-    paused = f", runs paused at step {'/'.join(map(str, stopped))}" if stopped else ""
-    print(f"\n{'targets' if targets else 'figures'} (medians against {reference}'s{paused}):")
-    for mode in modes:
-        if mode == reference:
-            continue
-        times = of(mode, "seconds", solo)
-        if times and base_times:
-            ratio = statistics.median(times) / statistics.median(base_times)
-            time_cell = f"time {ratio:.3f}x{verdict(ratio <= 0.5, '<= 0.5x')}"
-        else:
-            time_cell = "time: no runs that had the GPU alone"
-        dpsnr = statistics.median(of(mode, "final_test_psnr")) - base_psnr
-        mem = statistics.median(of(mode, "peak_gpu_memory_gib"))
-        print(f"- {mode}: {time_cell}, test PSNR {dpsnr:+.2f} dB{verdict(dpsnr >= -0.1, '>= -0.1 dB')}, "
-              f"peak memory {mem:.3f} vs {base_mem:.3f} GiB{verdict(mem <= base_mem)}")
-        print_psnr_spread(runs, mode, reference)
-        print_location_test([*runs, *repeats], mode, reference)
-        print_scatter_test([*runs, *repeats], mode, reference)
-
-
-def print_per_view(runs: list[dict], modes: list[str]) -> None:
-    """Mean (SD) of each held-out view's final test PSNR over every pipeline's runs: where the
-    run-to-run noise sits, and whether any one view tells the pipelines apart."""
-    scored = [r for r in runs if r.get("final_test_views_psnr")]
-    views = sorted({v for r in scored for v in r["final_test_views_psnr"]})
-    if not views:
-        return
-    print("\nfinal test PSNR per held-out view, mean (SD) over the runs that scored it:")
-    print("| view | " + " | ".join(modes) + " |\n|---" + "|---" * len(modes) + "|")
-    for view in views:
-        cells = []
-        for mode in modes:
-            vals = [r["final_test_views_psnr"][view] for r in scored
-                    if r["mode"] == mode and view in r["final_test_views_psnr"]]  # fmt: skip
-            sd = f" ({statistics.stdev(vals):.1f})" if len(vals) > 1 else ""
-            cells.append(f"{statistics.mean(vals):.1f}{sd}" if vals else "–")
-        print(f"| {view} | " + " | ".join(cells) + " |")
-
-
-def bootstrap_interval(ours: list[float], base: list[float], center=statistics.mean,
-                       resamples: int = 10_000) -> tuple[float, float]:  # fmt: skip
-    """90% bootstrap interval of center(ours) - center(base), each sample resampled with replacement."""
-    rng = random.Random(0)
-    boot = sorted(
-        center(rng.choices(ours, k=len(ours))) - center(rng.choices(base, k=len(base))) for _ in range(resamples)
-    )
-    return boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
-
-
-def print_psnr_spread(runs: list[dict], mode: str, reference: str = "baseline", resamples: int = 10_000) -> None:
-    """How far seed noise goes: seed-for-seed PSNR differences, and a bootstrap over seeds of the
-    difference of medians (each pipeline's runs resampled with replacement)."""
-    base = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == reference}
-    ours = {r["seed"]: r["final_test_psnr"] for r in runs if r["mode"] == mode}
-    diffs = [ours[seed] - base[seed] for seed in sorted(base.keys() & ours.keys())]
-    if diffs:
-        print(f"  test PSNR, {mode} - {reference} seed for seed: {', '.join(f'{d:+.2f}' for d in diffs)} dB; "
-              f"mean {statistics.mean(diffs):+.2f}, median {statistics.median(diffs):+.2f}")
-    if len(base) < 3 or len(ours) < 3:
-        return
-    lo, hi = bootstrap_interval(list(ours.values()), list(base.values()), statistics.median, resamples)
-    print(f"  difference of median test PSNR, 90% seed-bootstrap interval: [{lo:+.2f}, {hi:+.2f}] dB")
-
-
-def permutation_p(ours: list[float], base: list[float], statistic, resamples: int = 20_000) -> float:
-    """How often `statistic(a, b)` of the pooled values, labels shuffled, reaches its observed value."""
-    observed = statistic(ours, base)
-    pooled, n = list(ours) + list(base), len(ours)
-    rng = random.Random(0)
-    hits = 0
-    for _ in range(resamples):
-        rng.shuffle(pooled)
-        hits += statistic(pooled[:n], pooled[n:]) >= observed - 1e-12
-    return hits / resamples
-
-
-def location_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
-    """Two-sided permutation p-value for a difference of means between `ours` and `base`."""
-    return permutation_p(ours, base, lambda a, b: abs(statistics.mean(a) - statistics.mean(b)), resamples)
-
-
-def psnr_samples(runs: list[dict], mode: str, reference: str) -> list[tuple[str, list[float], list[float]]]:
-    """(label, mode's values, reference's values) for the 7k and the final test PSNR of every run.
-    The final line is left out where it repeats the 7k one (runs that ended or paused at 7k)."""
-    out = []
-    for label, value in (("7k", lambda r: psnr_at(r, 7000)), ("final", lambda r: r["final_test_psnr"])):
-        ours = [v for r in runs if r["mode"] == mode and (v := value(r)) is not None]
-        base = [v for r in runs if r["mode"] == reference and (v := value(r)) is not None]
-        if len(ours) >= 3 and len(base) >= 3 and not (out and out[0][1:] == (ours, base)):
-            out.append((label, ours, base))
-    return out
-
-
-def print_location_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
-    """Is `mode`'s test PSNR different from `reference`'s beyond seed noise? Every run counts."""
-    for label, ours, base in psnr_samples(runs, mode, reference):
-        lo, hi = bootstrap_interval(ours, base)
-        print(f"  {label} test PSNR over every run, {mode} vs {reference} ({len(ours)} and {len(base)} runs): "
-              f"mean {statistics.mean(ours):.2f} vs {statistics.mean(base):.2f} dB "
-              f"({statistics.mean(ours) - statistics.mean(base):+.2f}, 90% interval [{lo:+.2f}, {hi:+.2f}]), "
-              f"median {statistics.median(ours):.2f} vs {statistics.median(base):.2f} dB; "
-              f"two-sided permutation p = {location_test(ours, base):.3f} for a difference of means")
-
-
-def scatter_test(ours: list[float], base: list[float], resamples: int = 20_000) -> float:
-    """One-sided permutation p-value that `ours` scatters more than `base` (Brown-Forsythe: the
-    mean absolute deviation from each sample's own median, labels shuffled)."""
-    dev_ours = [abs(v - statistics.median(ours)) for v in ours]
-    dev_base = [abs(v - statistics.median(base)) for v in base]
-    return permutation_p(dev_ours, dev_base, lambda a, b: statistics.mean(a) - statistics.mean(b), resamples)
-
-
-def print_scatter_test(runs: list[dict], mode: str, reference: str = "baseline") -> None:
-    """Does `mode` scatter more than `reference` from run to run? Every run counts, repeats too."""
-    for label, ours, base in psnr_samples(runs, mode, reference):
-        print(f"  {label} test PSNR scatter, {mode} vs {reference} over {len(ours)} and {len(base)} runs: "
-              f"SD {statistics.stdev(ours):.2f} vs {statistics.stdev(base):.2f} dB, "
-              f"one-sided permutation p = {scatter_test(ours, base):.4f} for a wider scatter")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -338,7 +156,20 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def main() -> None:
+def with_twins(modes: list[str]) -> list[tuple[str, int]]:
+    """(mode, k): k = how many times the mode came before in the list (0 for its first run)."""
+    return [(mode, modes[:i].count(mode)) for i, mode in enumerate(modes)]
+
+
+def run_all(tasks: list, jobs: int) -> list[dict]:
+    """Call every task (a zero-argument function); `jobs` at once."""
+    if jobs == 1:
+        return [task() for task in tasks]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return [f.result() for f in [pool.submit(task) for task in tasks]]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scene", type=Path, nargs="?")
     ap.add_argument("--steps", type=int, default=7000)
@@ -353,7 +184,11 @@ def main() -> None:
                     help="print the tables from the per-run JSONs in these folders; runs nothing")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once on the one GPU (quality studies only: shared runs time nothing)")
-    args = ap.parse_args()
+    ap.add_argument("--fork-at", type=int, default=0,
+                    help="paired runs: every pipeline resumes one checkpoint per seed, taken at this step")
+    ap.add_argument("--fork-from", default="gstrain", help="with --fork-at: the pipeline that trains up to the fork")
+    ap.add_argument("--device", default="cuda", help="the runs' --device (cpu: the scripts' own tests)")
+    args = ap.parse_args(argv)
     seeds = parse_seeds(args.seeds) if args.seeds else None
     if args.report:
         report(*load_runs(args.report, seeds), reference=args.reference)
@@ -362,29 +197,40 @@ def main() -> None:
         ap.error("a scene is needed (or --report DIR ...)")
     seeds = seeds or [0, 1, 2]
     modes = args.pipelines.split(",")
-    unknown = [m for m in modes if m not in PIPELINES]
+    unknown = [m for m in [*modes, args.fork_from] if m not in PIPELINES]
     if unknown:
-        raise SystemExit(f"unknown pipeline(s) {unknown}; choose from {', '.join(PIPELINES)}")
+        ap.error(f"unknown pipeline(s) {unknown}; choose from {', '.join(PIPELINES)}")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    if not 0 <= args.fork_at < args.steps:
+        ap.error("--fork-at must be a step before --steps")
+    if len(set(modes)) < len(modes) and not args.fork_at:
+        ap.error("a pipeline named twice runs twice from each fork: it needs --fork-at")
     commit = args.commit or git_commit()
-    # interleaved, so drift of the machine hits every mode alike
-    order = [(mode, seed) for seed in seeds for mode in modes]
+    extra = args.extra.split()
+    if args.jobs > 1 and args.device == "cuda":
+        build_extensions()  # here, once: parallel first builds would race on the cache
 
-    def run(mode: str, seed: int, jobs: int) -> dict:
-        r = run_one(args.scene, mode, seed, args.steps, args.out, args.extra.split(), commit, jobs)
-        print(f"{mode} seed {seed}: {r['seconds']:.1f}s train loop, PSNR {r['final_test_psnr']:.2f}, "
-              f"{r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB", flush=True)
+    def show(r: dict) -> dict:
+        print(f"{r['mode']}{' twin' if r.get('twin') else ''} seed {r['seed']}: {r['seconds']:.1f}s train loop, "
+              f"PSNR {r['final_test_psnr']:.2f}, {r['num_gaussians']} Gaussians, peak {r['peak_gpu_memory_gib']} GiB",
+              flush=True)  # fmt: skip
         return r
 
-    if args.jobs == 1:
-        rows = [run(mode, seed, 1) for mode, seed in order]
+    # interleaved, so drift of the machine hits every mode alike
+    if not args.fork_at:
+        rows = run_all([lambda m=m, s=s: show(run_one(args.scene, m, s, args.steps, args.out, extra, commit,
+                                                      args.jobs, args.device))
+                        for s in seeds for m in modes], args.jobs)  # fmt: skip
     else:
-        build_extensions()  # here, once: parallel first builds would race on the cache
-        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            rows = [f.result() for f in [pool.submit(run, mode, seed, args.jobs) for mode, seed in order]]
+        trunks = run_all([lambda s=s: run_trunk(args.scene, args.fork_from, s, args.steps, args.fork_at, args.out,
+                                                extra, args.device) for s in seeds], args.jobs)  # fmt: skip
+        rows = run_all([lambda m=m, k=k, s=s, t=t: show(run_branch(args.scene, m, k, s, t, args.out, extra, commit,
+                                                                   args.jobs, args.device))
+                        for s, t in zip(seeds, trunks, strict=True) for m, k in with_twins(modes)],
+                       args.jobs)  # fmt: skip
     (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
-    report(rows)
+    report(*load_runs([args.out]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""The pure parts of the benchmark scripts: bench_train's report from saved runs, memory_step's replay."""
+"""The benchmark scripts: bench_train's report from saved runs (bench_report), its paired runs on the CPU,
+memory_step's replay."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -26,7 +29,7 @@ def fake_run(mode: str, seed: int, seconds: float, psnr: float, gib: float) -> d
 
 
 def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
-    bench = load_script("bench_train")
+    bench = load_script("bench_report")
     first, second = tmp_path / "c1", tmp_path / "c2"
     first.mkdir()
     second.mkdir()
@@ -66,12 +69,12 @@ def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
 
 
 def test_bench_train_scatter_test_and_train_views(tmp_path, capsys):
-    bench = load_script("bench_train")
+    bench = load_script("bench_report")
     narrow = [21.0, 21.1, 20.9, 21.05, 20.95, 21.0]
     wide = [22.5, 19.5, 21.0, 23.0, 19.0, 21.5]
     assert bench.scatter_test(wide, narrow, resamples=4000) < 0.05
     assert bench.scatter_test(narrow, wide, resamples=4000) > 0.9
-    assert bench.parse_seeds("0-3,9") == [0, 1, 2, 3, 9]
+    assert load_script("bench_train").parse_seeds("0-3,9") == [0, 1, 2, 3, 9]
 
     runs = [fake_run("baseline", s, 200.0, v, 1.0) for s, v in enumerate(narrow)]
     runs += [fake_run("gstrain", s, 90.0, v, 0.8) for s, v in enumerate(wide)]
@@ -85,7 +88,7 @@ def test_bench_train_scatter_test_and_train_views(tmp_path, capsys):
 
 
 def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_path, capsys):
-    bench = load_script("bench_train")
+    bench = load_script("bench_report")
     solo, shared, old = tmp_path / "solo", tmp_path / "shared", tmp_path / "old"
     for d in (solo, shared, old):
         d.mkdir()
@@ -130,14 +133,14 @@ def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_p
 
 
 def test_bench_train_location_test_separates_shifted_samples():
-    bench = load_script("bench_train")
+    bench = load_script("bench_report")
     base = [21.0, 21.2, 20.8, 21.1, 20.9, 21.0]
     assert bench.location_test([x - 1.0 for x in base], base, resamples=4000) < 0.01
     assert bench.location_test(base, list(reversed(base)), resamples=4000) > 0.99
 
 
 def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tmp_path, capsys):
-    bench = load_script("bench_train")
+    bench = load_script("bench_report")
     base = [21.0, 21.4, 20.6, 21.2, 20.8, 21.0]
     runs = []
     for seed, value in enumerate(base):
@@ -164,7 +167,7 @@ def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tm
 
 
 def test_bench_train_per_view_table(capsys):
-    bench = load_script("bench_train")
+    bench = load_script("bench_report")
     runs = []
     for seed, (a, b) in enumerate([(20.0, 25.0), (22.0, 25.0), (24.0, 25.0)]):
         for mode, shift in (("baseline", 0.0), ("gstrain", 1.0)):
@@ -213,3 +216,73 @@ def test_step_divergence_floor_is_zero_on_cpu_and_a_real_change_shows(demo_scene
     assert 0.0 < changed["at"][1]["params"] < changed["at"][3]["params"]
     assert changed["at"][3]["stats"] > 0.0
     assert "| plain : ssim-half |" in capsys.readouterr().out
+
+
+def forked_run(mode: str, seed: int, psnr: float, twin: int = 0) -> dict:
+    run = fake_run(mode, seed, 60.0, psnr, 1.0)
+    run.update(fork={"at": 7000, "trunk": "gstrain"}, twin=twin, concurrent_jobs=1,
+               test_history=[{"step": 0, "psnr": 8.0, "ssim": 0.1}, {"step": 7000, "psnr": 22.0, "ssim": 0.9},
+                             {"step": 30000, "psnr": psnr, "ssim": 0.9}])  # fmt: skip
+    return run
+
+
+def test_bench_train_forked_runs_are_compared_fork_by_fork(tmp_path, capsys):
+    bench = load_script("bench_report")
+    # forks that land far apart (SD 1.5 dB), gstrain 0.3 dB above the baseline on every one
+    baseline = [19.0, 23.0, 21.0, 18.5, 22.5, 20.0]
+    noise = [0.05, -0.05, 0.1, -0.1, 0.0, 0.02]
+    for seed, (b, e) in enumerate(zip(baseline, noise, strict=True)):
+        runs = [forked_run("baseline", seed, b), forked_run("gstrain", seed, b + 0.3 + e),
+                forked_run("gstrain", seed, b + 0.3 - e, twin=1)]  # fmt: skip
+        for run in runs:
+            name = f"{run['mode']}{'_twin1' if run['twin'] else ''}_seed{seed}"
+            (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    counted, repeats = bench.load_runs([tmp_path])
+    assert len(counted) == 12 and len(repeats) == 6 and all(r["twin"] == 1 for r in repeats)
+    bench.report(counted, repeats)
+    out = capsys.readouterr().out
+    # no verdicts for forked runs, no time figure from their partial legs, no shared 7k sample
+    assert "figures (medians against baseline's, runs forked at step 7000 from gstrain's checkpoint):" in out
+    assert "(met" not in out and "not met" not in out
+    assert "gstrain: time: no runs that had the GPU alone" in out
+    assert "7k test PSNR over every run" not in out
+    assert "| gstrain, 0 (twin) | 60.0 |" in out
+    # unpaired, the 0.3 dB hides in the fork-to-fork spread; paired, it stands out
+    unpaired = next(x for x in out.splitlines() if "final test PSNR over every run" in x)
+    assert "(6 and 6 runs)" in unpaired and float(unpaired.split("p = ")[1].split()[0]) > 0.5
+    paired = next(x for x in out.splitlines() if "paired over 6 forks, gstrain - baseline" in x)
+    assert "mean +0.30 dB" in paired
+    lo, hi = (float(x) for x in paired.split("90% interval [")[1].split("]")[0].split(", "))
+    assert 0.2 < lo <= 0.3 <= hi < 0.4
+    assert float(paired.split("p = ")[1]) < 0.05  # 6 of 6 the same sign: 2/64 under the null
+    twins = next(x for x in out.splitlines() if "gstrain twice from each of 6 forks" in x)
+    assert "SD of the difference 0.14 dB (mean -0.01); correlation of the two 1.00" in twins
+
+    # no pairs without a shared fork: the same runs from two folders do not pair across them
+    assert bench.paired_differences(counted, "gstrain", "baseline") == pytest.approx([0.35, 0.25, 0.4, 0.2, 0.3, 0.32])
+    assert bench.sign_flip_p([0.3, -0.3, 0.2, -0.2], resamples=4000) > 0.9
+
+
+def test_bench_train_forks_on_the_cpu(demo_scene, tmp_path, capsys):
+    """Every pipeline resumes its own copy of one trunk checkpoint; on the CPU (one deterministic
+    renderer, the switches being GPU-only) all continuations must land on the same figures."""
+    bench = load_script("bench_train")
+    out = tmp_path / "bt"
+    bench.main([str(demo_scene), "--steps", "6", "--fork-at", "3", "--seeds", "0", "--device", "cpu",
+                "--pipelines", "baseline,gstrain,gstrain", "--jobs", "2", "--out", str(out),
+                "--extra", "--set log.eval_steps=[3,6] --set log.progress_every=1"])  # fmt: skip
+    trunk = json.loads((out / "trunks" / "seed0.json").read_text())
+    assert trunk["status"] == "stopped" and trunk["steps"] == 3 and trunk["mode"] == "gstrain"
+    finals = []
+    for name in ("baseline_seed0", "gstrain_seed0", "gstrain_twin1_seed0"):
+        run = json.loads((out / f"{name}.json").read_text())
+        assert run["status"] == "done" and run["steps"] == 6 and run["first_step"] == 3
+        assert run["fork"] == {"at": 3, "trunk": "gstrain"} and run["twin"] == (1 if "twin" in name else 0)
+        assert [p["step"] for p in run["test_history"]] == [0, 3, 6]
+        assert run["test_history"][:2] == trunk["test_history"]
+        assert (out / name / "ckpt" / "step_3.pt").is_file()  # the trunk's checkpoint it went on from
+        finals.append(run["final_test_psnr"])
+    assert finals[0] == finals[1] == finals[2] != trunk["final_test_psnr"]
+    report = capsys.readouterr().out
+    assert "| gstrain, 0 (twin) (GPU shared by 2) |" in report
+    assert "runs forked at step 3 from gstrain's checkpoint" in report

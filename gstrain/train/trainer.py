@@ -435,6 +435,7 @@ class Trainer:
         summary = {
             "status": result.status,
             "steps": result.step,
+            "first_step": self._first_step,  # where this process began (> 0: resumed)
             "seconds": round(result.seconds, 2),
             "num_gaussians": result.num_gaussians,
             "max_gaussians": self.max_gaussians,  # set at the start of fit, raised on every change
