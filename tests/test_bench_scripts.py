@@ -286,3 +286,25 @@ def test_bench_train_forks_on_the_cpu(demo_scene, tmp_path, capsys):
     report = capsys.readouterr().out
     assert "| gstrain, 0 (twin) (GPU shared by 2) |" in report
     assert "runs forked at step 3 from gstrain's checkpoint" in report
+
+
+@pytest.mark.cuda
+def test_bench_train_forks_on_the_gpu(demo_scene, tmp_path, capsys):
+    """On the GPU each continuation must run with its own pipeline's switches: the baseline resumes
+    a gstrain checkpoint on gsplat's rasterizer, torch Adam and gsplat's statistics."""
+    bench = load_script("bench_train")
+    out = tmp_path / "bt"
+    bench.main([str(demo_scene), "--steps", "300", "--fork-at", "150", "--seeds", "0", "--device", "cuda",
+                "--pipelines", "baseline,gstrain,gstrain", "--jobs", "3", "--out", str(out),
+                "--extra", "--set strategy.refine_start=50 --set strategy.refine_every=50 "
+                           "--set log.eval_steps=[150,300]"])  # fmt: skip
+    trunk = json.loads((out / "trunks" / "seed0.json").read_text())
+    assert trunk["status"] == "stopped" and trunk["steps"] == 150 and trunk["atomic_mode"] == "arc"
+    for name, mode in (("baseline_seed0", "gsplat"), ("gstrain_seed0", "arc"), ("gstrain_twin1_seed0", "arc")):
+        run = json.loads((out / f"{name}.json").read_text())
+        assert run["status"] == "done" and run["steps"] == 300 and run["first_step"] == 150, run
+        assert run["atomic_mode"] == mode and run["backend"] == "cuda"
+        config = (out / name / "config.yaml").read_text()
+        switch = "false" if name.startswith("baseline") else "true"
+        assert all(f"{key}: {switch}" in config for key in ("fused_adam", "fused_ssim", "fast_stats"))
+    assert "paired over" not in capsys.readouterr().out  # one fork: no paired statistics yet
