@@ -46,7 +46,7 @@ def load_runs(dirs: list[Path | str], seeds: list[int] | None = None) -> tuple[l
     """The per-run JSONs under `dirs` (only those of `seeds`, if given; see parse_source). The
     first run of each (pipeline, seed) counts towards the medians; later ones (the same seed
     again) are repeats: they show the run-to-run spread."""
-    runs, repeats, seen = [], [], set()
+    loaded = []
     for source in dirs:
         d, only = parse_source(str(source))
         for path in sorted(d.glob("*_seed*.json")):
@@ -54,10 +54,19 @@ def load_runs(dirs: list[Path | str], seeds: list[int] | None = None) -> tuple[l
             if (seeds is not None and run["seed"] not in seeds) or (only is not None and run["mode"] not in only):
                 continue
             run.setdefault("source", d.name)
-            key = (run["mode"], run["seed"])
-            (repeats if key in seen or run.get("twin") else runs).append(run)  # a twin never counts
-            if not run.get("twin"):
-                seen.add(key)
+            loaded.append(run)
+    return split_repeats(loaded)
+
+
+def split_repeats(all_runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(runs, repeats): the first run of each (pipeline, seed) counts; a later one, or a fork's
+    twin, is a repeat."""
+    runs, repeats, seen = [], [], set()
+    for run in all_runs:
+        key = (run["mode"], run["seed"])
+        (repeats if key in seen or run.get("twin") else runs).append(run)
+        if not run.get("twin"):
+            seen.add(key)
     return runs, repeats
 
 
@@ -273,14 +282,18 @@ def fork_label(run: dict) -> str:
     return run["mode"] + (f" twin{run['twin']}" if run.get("twin") else "")
 
 
-def paired_differences(runs: list[dict], ours: str, base: str) -> list[float]:
-    """Final test PSNR of `ours` minus `base` (fork labels), for each fork that both continued.
+def fork_pairs(runs: list[dict], ours: str, base: str) -> list[tuple[float, float]]:
+    """(final test PSNR of `ours`, of `base`) (fork labels), for each fork that both continued.
     A fork is one trunk checkpoint: one seed in one results folder."""
     forks: dict[tuple, dict[str, float]] = {}
     for r in runs:
         if r.get("fork"):
             forks.setdefault((r.get("source"), r["seed"]), {})[fork_label(r)] = r["final_test_psnr"]
-    return [f[ours] - f[base] for f in forks.values() if ours in f and base in f]
+    return [(f[ours], f[base]) for f in forks.values() if ours in f and base in f]
+
+
+def paired_differences(runs: list[dict], ours: str, base: str) -> list[float]:
+    return [a - b for a, b in fork_pairs(runs, ours, base)]
 
 
 def sign_flip_p(diffs: list[float], resamples: int = 20_000) -> float:
@@ -312,13 +325,11 @@ def print_fork_twins(runs: list[dict]) -> None:
     left in a paired difference), and how much they still share."""
     for twin in sorted({fork_label(r) for r in runs if r.get("fork") and r.get("twin")}):
         mode = twin.split(" twin")[0]
-        diffs = paired_differences(runs, twin, mode)
-        if len(diffs) < 2:
+        pairs = fork_pairs(runs, twin, mode)
+        if len(pairs) < 2:
             continue
-        pairs = [(r["final_test_psnr"], t["final_test_psnr"]) for r in runs for t in runs
-                 if r.get("fork") and fork_label(r) == mode and fork_label(t) == twin
-                 and (r.get("source"), r["seed"]) == (t.get("source"), t["seed"])]  # fmt: skip
-        first, second = zip(*pairs, strict=True)
+        diffs = [a - b for a, b in pairs]
+        second, first = zip(*pairs, strict=True)
         spread = statistics.stdev(first) > 0 and statistics.stdev(second) > 0
         corr = f"; correlation of the two {statistics.correlation(first, second):.2f}" if spread else ""
         print(f"- {mode} twice from each of {len(diffs)} forks: SD of the difference {statistics.stdev(diffs):.2f} dB "

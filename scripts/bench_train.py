@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
-from bench_report import load_runs, report  # noqa: E402
+from bench_report import load_runs, report, split_repeats  # noqa: E402
 
 # Every speed switch off, and checkpoints only at the end as gsplat's example trainer does.
 BASELINE = ["--atomic-mode", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                         for s, t in zip(seeds, trunks, strict=True) for m, k in with_twins(modes)],
                        args.jobs)  # fmt: skip
     (args.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
-    report(*load_runs([args.out]))
+    report(*split_repeats(rows))  # this call's runs only (--report DIR reads every run in the folder)
 
 
 if __name__ == "__main__":
