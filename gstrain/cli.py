@@ -41,6 +41,7 @@ def _flag_overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "seed": ("train", "seed"),
         "device": ("train", "device"),
         "factor": ("data", "factor"),
+        "backend": ("render", "backend"),
         "atomic_mode": ("render", "atomic_mode"),
         "atomic_threshold": ("render", "atomic_threshold"),
     }
@@ -74,14 +75,17 @@ def fit(
     device: DeviceOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its checkpoint.")] = False,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        help="Rasterizer: auto | reference | cuda | gsplat (auto: cuda on a GPU, reference on the CPU)."
+    )] = None,
     atomic_mode: Annotated[
-        str | None, typer.Option(help="Rasterizer backward on CUDA: atomic | warp | distwar | arc.")
+        str | None, typer.Option(help="Backward reduction of our CUDA rasterizer: atomic | warp | distwar | arc.")
     ] = None,
     atomic_threshold: Annotated[int | None, typer.Option(help="distwar's lane threshold T (1..32).")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Train Gaussians on a COLMAP scene; writes checkpoints, PLY, TensorBoard logs to the run folder."""
-    from gstrain.config import build_config, merge_dict, parse_override, validate
+    from gstrain.config import build_config, check_atomic_mode, merge_dict, parse_override, validate
     from gstrain.data.colmap import load_scene
     from gstrain.render import resolve_device
     from gstrain.run_dir import create_run_dir, default_run_dir, load_run, update_run_config
@@ -89,8 +93,10 @@ def fit(
 
     if not scene.exists():
         raise UserError(f"scene folder not found: {scene}")
+    if atomic_mode is not None:
+        check_atomic_mode(atomic_mode, flag=True)
     overrides = [_flag_overrides(
-        steps=steps, seed=seed, device=device, factor=factor,
+        steps=steps, seed=seed, device=device, factor=factor, backend=backend,
         atomic_mode=atomic_mode, atomic_threshold=atomic_threshold,
     )]
     overrides += [parse_override(s) for s in (set_ or [])]
@@ -185,8 +191,11 @@ def export(
 def profile(
     target: Annotated[Path, typer.Argument(help="COLMAP scene, run folder, or test_garden-style .npz.")],
     atomic_mode: Annotated[
-        str, typer.Option(help="atomic | warp | distwar | arc | gsplat | all (comma-separated list allowed).")
+        str, typer.Option(help="Our CUDA backward: atomic | warp | distwar | arc | all (comma-separated list allowed).")
     ] = "all",
+    backend: Annotated[str, typer.Option(
+        help="cuda (our kernels, a column per mode) | gsplat (gsplat's rasterizer, one column) | all (both)."
+    )] = "all",
     iters: Annotated[int, typer.Option(help="Measured iterations per mode.")] = 50,
     warmup: Annotated[int, typer.Option(help="Unmeasured iterations first (ARC also finishes tuning).")] = 10,
     factor: FactorOpt = None,
@@ -198,12 +207,9 @@ def profile(
     )] = False,
 ) -> None:
     """Time training steps per rasterizer mode on the same Gaussians: per-phase medians and speedups."""
-    from gstrain.profile import PROFILE_MODES, run_profile
+    from gstrain.profile import profile_columns, run_profile
 
-    if atomic_mode == "all":
-        modes = ["arc"] if switches else list(PROFILE_MODES)
-    else:
-        modes = [m.strip() for m in atomic_mode.split(",")]
+    modes = profile_columns(atomic_mode, backend, switches)
     report = run_profile(target, modes, iters=iters, warmup=warmup, factor=factor, npz_scale=scale,
                          config_files=config, out_dir=out, log=_log, switches=switches)
     print(report["table"])

@@ -15,12 +15,15 @@ from typing import Any
 import yaml
 
 from gstrain.errors import UserError
+from gstrain.train.strategies.registry import STRATEGY_NAMES
 
-# "gsplat" swaps in gsplat's own rasterize_to_pixels (forward and backward): the peer we measure against.
-ATOMIC_MODES = ("atomic", "warp", "distwar", "arc", "gsplat")
-BACKENDS = ("auto", "reference", "cuda")
+# The rasterizer: our CUDA kernels, the PyTorch reference, or gsplat's own rasterize_to_pixels
+# (forward and backward: the peer we measure against). auto: cuda on a GPU, reference on the CPU.
+BACKENDS = ("auto", "reference", "cuda", "gsplat")
+# How our CUDA backward reduces gradients (the only choice it has; nothing else differs).
+ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = ("default", "mcmc")
+STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the one list
 
 
 @dataclass
@@ -86,7 +89,7 @@ class StrategyConfig:
 @dataclass
 class RenderConfig:
     backend: str = "auto"  # auto: our CUDA kernels on a GPU, the PyTorch reference on the CPU
-    atomic_mode: str = "arc"  # atomic | warp | distwar | arc | gsplat (gsplat's rasterizer)
+    atomic_mode: str = "arc"  # our CUDA backward's reduction: atomic | warp | distwar | arc
     atomic_threshold: int = 8  # distwar's T (arc tunes its own)
 
 
@@ -221,7 +224,7 @@ def validate(cfg: Config) -> Config:
             raise UserError(f"{key} must be one of {', '.join(options)}; got '{value}'")
 
     choice(cfg.render.backend, BACKENDS, "render.backend")
-    choice(cfg.render.atomic_mode, ATOMIC_MODES, "render.atomic_mode")
+    check_atomic_mode(cfg.render.atomic_mode)
     choice(cfg.train.device, DEVICES, "train.device")
     choice(cfg.strategy.name, STRATEGIES, "strategy.name")
     choice(cfg.model.init, ("sfm", "random"), "model.init")
@@ -248,6 +251,28 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def check_atomic_mode(mode: str, flag: bool = False) -> None:
+    """UserError unless `mode` is one of ATOMIC_MODES; 'gsplat' names the backend it now is.
+
+    flag: word the message for the --atomic-mode command-line flag rather than the config key.
+    """
+    key, backend = ("--atomic-mode", "--backend gsplat") if flag else ("render.atomic_mode", "render.backend=gsplat")
+    if mode == "gsplat":
+        raise UserError(f"{key} gsplat is no longer an atomic mode: gsplat's rasterizer is a backend, use {backend}")
+    if mode not in ATOMIC_MODES:
+        raise UserError(f"{key} must be one of {', '.join(ATOMIC_MODES)}; got '{mode}'")
+
+
+def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config as this version reads it: runs from before render.backend=gsplat existed
+    saved render.atomic_mode=gsplat for gsplat's rasterizer."""
+    render = data.get("render") if isinstance(data, dict) else None
+    if isinstance(render, dict) and render.get("atomic_mode") == "gsplat":
+        render = {**render, "backend": "gsplat", "atomic_mode": RenderConfig.atomic_mode}
+        data = {**data, "render": render}
+    return data
+
+
 def build_config(
     config_files: list[str | Path] | None = None,
     overrides: list[dict[str, Any]] | None = None,
@@ -263,7 +288,7 @@ def build_config(
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config from its saved dict (config.yaml of a run, or a checkpoint)."""
-    return validate(merge_dict(Config(), data, origin="saved config"))
+    return validate(merge_dict(Config(), upgrade_saved_config(data), origin="saved config"))
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -1,4 +1,6 @@
-"""`gstrain profile`: time training iterations per rasterizer mode, on the same Gaussians and views.
+"""`gstrain profile`: time training iterations per rasterizer, on the same Gaussians and views.
+
+A column is one of our atomic modes (render.backend=cuda) or "gsplat" (render.backend=gsplat).
 
 Every mode starts from the same parameters and optimizer state and walks the same views, so the
 per-phase medians differ only by the rasterizer. Densification runs its bookkeeping but never
@@ -21,14 +23,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gstrain.config import Config, build_config
+from gstrain.config import ATOMIC_MODES, Config, build_config, check_atomic_mode
 from gstrain.errors import UserError
 
-PROFILE_MODES = ("atomic", "warp", "distwar", "arc", "gsplat")
+GSPLAT_COLUMN = "gsplat"  # render.backend=gsplat: gsplat's rasterizer, the peer we compare with
+PROFILE_COLUMNS = (*ATOMIC_MODES, GSPLAT_COLUMN)
+PROFILE_BACKENDS = ("cuda", "gsplat", "all")
 STEP_PHASES = ("forward", "loss", "backward", "optimizer", "densify")
 # `--switches`: each speed feature and the value that turns it off (the baseline has all off).
 SWITCHES = {
-    "gsplat raster": ("render", "atomic_mode", "gsplat"),
+    "gsplat raster": ("render", "backend", "gsplat"),
     "conv SSIM": ("train", "fused_ssim", False),
     "torch Adam": ("optim", "fused_adam", False),
     "gsplat stats": ("strategy", "fast_stats", False),
@@ -79,6 +83,7 @@ def load_workload(
     test_garden-style .npz (means3d, colors, viewmats, Ks, width, height)."""
     from gstrain.data.colmap import load_scene
     from gstrain.model import init_gaussians
+    from gstrain.render.sh import sh_degree_at
     from gstrain.run_dir import is_run_dir, load_run
     from gstrain.train.checkpoint import require_checkpoint
 
@@ -90,7 +95,7 @@ def load_workload(
         run_cfg, meta = load_run(target)
         state = require_checkpoint(target)
         scene = load_scene(Path(meta["scene"]), factor=factor or run_cfg.data.factor)
-        degree = min(int(state["step"]) // run_cfg.train.sh_degree_interval, run_cfg.model.sh_degree)
+        degree = sh_degree_at(int(state["step"]), run_cfg.train.sh_degree_interval, run_cfg.model.sh_degree)
         return _views_workload(target.name, state["params"], scene.train, scene.extent, degree, device)
     scene = load_scene(target, factor=factor or cfg.data.factor, test_every=cfg.data.test_every)
     if len(scene.points) == 0:
@@ -141,7 +146,7 @@ class WorkloadSteps:
         from gstrain.render import Renderer
         from gstrain.train.optim import build_optimizers
         from gstrain.train.step import StepRunner
-        from gstrain.train.strategy import Densifier
+        from gstrain.train.strategies import build_strategy
         from gstrain.train.timing import PhaseTimer
 
         self.work = work
@@ -152,7 +157,7 @@ class WorkloadSteps:
         self.optimizers = build_optimizers(self.params, run_cfg.optim, work.extent)
         renderer = Renderer(run_cfg.render, self.device, absgrad=run_cfg.strategy.absgrad)
         self.timer = PhaseTimer(self.device)
-        self.runner = StepRunner(run_cfg, renderer, Densifier(run_cfg.strategy, work.extent, self.device),
+        self.runner = StepRunner(run_cfg, renderer, build_strategy(run_cfg.strategy, work.extent, self.device),
                                  self.timer, self.device)  # fmt: skip
         self.tuner = renderer.tuner
         self.background = torch.zeros(3, device=self.device)
@@ -213,11 +218,41 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
     return samples
 
 
-def profile_mode(work: Workload, cfg: Config, mode: str, iters: int, warmup: int) -> dict[str, list[float]]:
-    """profile_config with the rasterizer mode set to `mode`."""
-    mode_cfg = copy.deepcopy(cfg)
-    mode_cfg.render.atomic_mode = mode
-    return profile_config(work, mode_cfg, iters, warmup)
+def profile_columns(atomic_mode: str, backend: str, switches: bool = False) -> list[str]:
+    """The columns the --atomic-mode and --backend flags ask for; UserError for bad flags.
+
+    --atomic-mode: all (our four modes) or a comma-separated list of them; --backend: cuda (our
+    kernels, one column per mode), gsplat (gsplat's rasterizer, one column) or all (both).
+    With --switches, all means arc on our kernels.
+    """
+    if backend not in PROFILE_BACKENDS:
+        raise UserError(f"--backend must be one of {', '.join(PROFILE_BACKENDS)}; got '{backend}'")
+    if atomic_mode == "all":
+        modes = ["arc"] if switches else list(ATOMIC_MODES)
+    else:
+        modes = [m.strip() for m in atomic_mode.split(",")]
+        for mode in modes:
+            check_atomic_mode(mode, flag=True)
+    if switches and backend == "all":
+        backend = "cuda"
+    columns = modes if backend in ("cuda", "all") else []
+    return columns + ([GSPLAT_COLUMN] if backend in ("gsplat", "all") else [])
+
+
+def column_config(cfg: Config, column: str) -> Config:
+    """A copy of cfg that renders as `column` says (an atomic mode on our kernels, or gsplat)."""
+    out = copy.deepcopy(cfg)
+    if column == GSPLAT_COLUMN:
+        out.render.backend = "gsplat"
+    else:
+        out.render.backend = "cuda"
+        out.render.atomic_mode = column
+    return out
+
+
+def profile_mode(work: Workload, cfg: Config, column: str, iters: int, warmup: int) -> dict[str, list[float]]:
+    """profile_config with the rasterizer set to `column` (PROFILE_COLUMNS)."""
+    return profile_config(work, column_config(cfg, column), iters, warmup)
 
 
 def switch_variants(cfg: Config) -> dict[str, Config]:
@@ -268,15 +303,15 @@ def run_profile(
     log: Callable[[str], None] = print,
     switches: bool = False,
 ) -> dict[str, Any]:
-    """Profile rasterizer modes side by side or, with `switches`, the speed switches one by one
-    (each turned off alone, and all off) with the rasterizer mode `modes[0]`."""
+    """Profile rasterizers (PROFILE_COLUMNS, see profile_columns) side by side or, with `switches`,
+    the speed switches one by one (each turned off alone, and all off) with the rasterizer `modes[0]`."""
     for mode in modes:  # bad flags first: they are wrong on any machine
-        if mode not in PROFILE_MODES:
-            raise UserError(f"--atomic-mode must be one of {', '.join(PROFILE_MODES)} or all; got '{mode}'")
+        if mode not in PROFILE_COLUMNS:
+            check_atomic_mode(mode, flag=True)
     if iters < 1 or warmup < 0:
         raise UserError("--iters must be >= 1 and --warmup >= 0")
     if switches and len(modes) != 1:
-        raise UserError("--switches profiles one rasterizer mode: pass --atomic-mode with one mode (e.g. arc)")
+        raise UserError("--switches profiles one rasterizer: pass one --atomic-mode (e.g. arc) or --backend gsplat")
     if not torch.cuda.is_available():
         raise UserError("gstrain profile times our CUDA kernels and needs a CUDA GPU")
     cfg = build_config(config_files)
@@ -287,7 +322,7 @@ def run_profile(
     log(f"gstrain: profiling {work.name}: {n} Gaussians, {len(work.cameras)} views at {width}x{height}")
     results: dict[str, dict[str, list[float]]] = {}
     if switches:
-        cfg.render.atomic_mode = modes[0]
+        cfg = column_config(cfg, modes[0])
         for label, variant in tqdm(switch_variants(cfg).items(), desc="profile", unit="config"):
             results[label] = profile_config(work, variant, iters, warmup)
     else:

@@ -291,7 +291,9 @@ def render_run(
     out defaults to <run>/renders/<path>_<what>.mp4. Raises UserError for bad input.
     """
     from gstrain.data.colmap import load_scene
-    from gstrain.render import Renderer, resolve_device
+    from gstrain.model import sh_degree_of
+    from gstrain.render import CUDA_BACKENDS, Renderer, resolve_device
+    from gstrain.render.sh import sh_degree_at
     from gstrain.run_dir import load_run
     from gstrain.train.checkpoint import require_checkpoint
 
@@ -337,7 +339,7 @@ def render_run(
 
     dev = resolve_device(device)
     rcfg = cfg.render
-    if dev.type != "cuda" and rcfg.backend == "cuda":
+    if dev.type != "cuda" and rcfg.backend in CUDA_BACKENDS:
         rcfg = dataclasses.replace(rcfg, backend="reference")  # trained on a GPU, rendered without one
     renderer = Renderer(rcfg, dev)
     params = torch.nn.ParameterDict({
@@ -345,7 +347,7 @@ def render_run(
         for k, v in state["params"].items()
     })
     step = int(state.get("step", 0))
-    sh_degree = _sh_degree(params, step, cfg.train.sh_degree_interval, cfg.model.sh_degree)
+    sh_degree = sh_degree_at(step, cfg.train.sh_degree_interval, cfg.model.sh_degree, stored=sh_degree_of(params))
     background = torch.tensor(cfg.data.background, dtype=torch.float32, device=dev)
     frame_fn = _frame_renderer(renderer, dev, params, sh_degree, background, what)
     if what == "depth":
@@ -390,13 +392,6 @@ def _check_writable(out: Path, is_video: bool) -> None:
             pass
     except OSError as exc:
         raise UserError(f"cannot write to {out}: {exc.strerror or exc}") from None
-
-
-def _sh_degree(params: torch.nn.ParameterDict, step: int, interval: int, max_degree: int) -> int:
-    """The degree training had reached at this step (the trainer's schedule), capped by what is stored."""
-    stored = int(round(math.sqrt(params["shN"].shape[1] + 1))) - 1 if "shN" in params else 0
-    reached = step // interval if interval > 0 else max_degree
-    return max(0, min(reached, max_degree, stored))
 
 
 def _frame_renderer(

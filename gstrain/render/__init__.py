@@ -1,4 +1,5 @@
-"""render(params, view) -> (image, alpha, info), on our CUDA kernels or the PyTorch reference.
+"""render(params, view) -> (image, alpha, info), on our CUDA kernels, gsplat's rasterizer or the
+PyTorch reference (render.backend; config.BACKENDS).
 
 `info` carries what gsplat's strategies read: means2d (the tensor whose gradient they collect),
 radii, width, height, n_cameras.
@@ -12,6 +13,10 @@ import torch
 
 from gstrain.config import RenderConfig
 from gstrain.errors import UserError
+from gstrain.render.common import RasterOptions
+
+# backends that run gsplat's projection and a CUDA rasterizer (ours or gsplat's)
+CUDA_BACKENDS = ("cuda", "gsplat")
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -32,8 +37,8 @@ class Renderer:
         backend = cfg.backend
         if backend == "auto":
             backend = "cuda" if device.type == "cuda" else "reference"
-        if backend == "cuda" and device.type != "cuda":
-            raise UserError("render.backend=cuda needs a CUDA GPU; use --device cuda on a GPU machine")
+        if backend in CUDA_BACKENDS and device.type != "cuda":
+            raise UserError(f"render.backend={backend} needs a CUDA GPU; use --device cuda on a GPU machine")
         self.backend = backend
         self.cfg = cfg
         self.absgrad = absgrad
@@ -45,6 +50,10 @@ class Renderer:
             ensure_built()
             if cfg.atomic_mode == "arc":  # one tuner per renderer: its own scene, sizes and population
                 self.tuner = ArcTuner()
+        self.options = RasterOptions(
+            absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
+            tuner=self.tuner, gsplat_raster=backend == "gsplat",
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -58,17 +67,10 @@ class Renderer:
         timer: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Render one view. A PhaseTimer, when given, gets the projection / raster_fwd / raster_bwd split."""
-        if self.backend == "cuda":
+        if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_cuda
 
-            return render_cuda(
-                params, viewmat, K, width, height, sh_degree, background,
-                absgrad=self.absgrad,
-                atomic_mode=self.cfg.atomic_mode,
-                atomic_threshold=self.cfg.atomic_threshold,
-                tuner=self.tuner,
-                timer=timer,
-            )
+            return render_cuda(params, viewmat, K, width, height, sh_degree, background, self.options, timer=timer)
         from gstrain.render.reference import render_reference
 
         return render_reference(
@@ -87,10 +89,10 @@ class Renderer:
 
         Camera-space z of each Gaussian's centre, composited with the same weights as colour.
         """
-        if self.backend == "cuda":
+        if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_depth_cuda
 
-            acc, alpha = render_depth_cuda(params, viewmat, K, width, height)
+            acc, alpha = render_depth_cuda(params, viewmat, K, width, height, self.options.gsplat_raster)
         else:
             from gstrain.render.reference import project_gaussians, rasterize
 
@@ -113,7 +115,7 @@ class Renderer:
 
     @property
     def atomic_threshold(self) -> int | None:
-        """The threshold the backward uses now (the tuned one for arc), None on the reference path."""
+        """The threshold our backward uses now (the tuned one for arc); None off our CUDA kernels."""
         if self.backend != "cuda":
             return None
         if self.tuner is not None:

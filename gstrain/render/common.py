@@ -1,11 +1,32 @@
-"""Pieces both renderers share: the info dict gsplat's strategies read, and optional phase timing."""
+"""Pieces the renderers share: the per-call raster options, the info dict gsplat's strategies
+read, and optional phase timing."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RasterOptions:
+    """How one render rasterizes, beyond the scene and camera: one object through every layer
+    (Renderer -> render_cuda -> rasterize_splats -> rasterize_cuda) instead of loose arguments.
+
+    gsplat_raster: composite with gsplat's rasterize_to_pixels (render.backend=gsplat) instead of
+    our kernels; the other fields then only keep absgrad. atomic_mode / atomic_threshold: our
+    backward's reduction (config.ATOMIC_MODES). tuner: arc's ArcTuner (None: the process-wide
+    one). vector_atomics: None = our default for the mode.
+    """
+
+    absgrad: bool = False
+    atomic_mode: str = "arc"
+    atomic_threshold: int = 8
+    tuner: Any = None  # gstrain.render.arc.ArcTuner (kept loose: this module loads no CUDA code)
+    vector_atomics: bool | None = None
+    gsplat_raster: bool = False
 
 
 def strategy_info(means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor, width: int, height: int,

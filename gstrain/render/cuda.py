@@ -6,6 +6,8 @@ backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen 
   warp     always reduce across the warp, lane 0 adds (gsplat's way)
   distwar  reduce when at least `atomic_threshold` lanes contribute, else per-lane adds
   arc      as distwar, with the threshold tuned at run time by an ArcTuner
+render.backend=gsplat runs the same projection with gsplat's rasterize_to_pixels instead
+(RasterOptions.gsplat_raster). The per-call options travel as one RasterOptions.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gstrain.config import ATOMIC_MODES
 from gstrain.cuda_build import check_toolchain, gencode_flags, load_extension
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
-from gstrain.render.common import phase, strategy_info
-from gstrain.render.reference import camera_centre
+from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strategy_info
+from gstrain.render.projection import camera_centre
 
-ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
 TILE_SIZE = 16
 MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
@@ -278,30 +280,27 @@ def rasterize_splats(
     splats: Splats,
     colors: Tensor,
     background: Tensor | None = None,
-    absgrad: bool = False,
-    atomic_mode: str = "arc",
-    atomic_threshold: int = 8,
-    tuner: ArcTuner | None = None,
-    vector_atomics: bool | None = None,
+    options: RasterOptions = DEFAULT_OPTIONS,
     conics: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Composite projected splats with our kernels, or gsplat's own when atomic_mode='gsplat'.
+    """Composite projected splats with our kernels, or gsplat's own when options.gsplat_raster.
 
     `conics` may replace splats.conics (a timing hook wraps it). Returns image, alpha [1,H,W,ch/1].
     """
     conics = splats.conics if conics is None else conics
     backgrounds = None if background is None else background.reshape(1, -1)
-    if atomic_mode == "gsplat":
+    if options.gsplat_raster:
         from gsplat import rasterize_to_pixels
 
         return rasterize_to_pixels(
             splats.means2d, conics, colors, splats.opacities, splats.width, splats.height, TILE_SIZE,
-            splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=absgrad,
+            splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=options.absgrad,
         )  # fmt: skip
     return rasterize_cuda(
         splats.means2d, conics, colors, splats.opacities, splats.width, splats.height, TILE_SIZE,
-        splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=absgrad,
-        atomic_mode=atomic_mode, atomic_threshold=atomic_threshold, tuner=tuner, vector_atomics=vector_atomics,
+        splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=options.absgrad,
+        atomic_mode=options.atomic_mode, atomic_threshold=options.atomic_threshold, tuner=options.tuner,
+        vector_atomics=options.vector_atomics,
     )  # fmt: skip
 
 
@@ -313,11 +312,7 @@ def render_cuda(
     height: int,
     sh_degree: int,
     background: Tensor | None = None,
-    absgrad: bool = False,
-    atomic_mode: str = "arc",
-    atomic_threshold: int = 8,
-    tuner: ArcTuner | None = None,
-    vector_atomics: bool | None = None,
+    options: RasterOptions = DEFAULT_OPTIONS,
     timer: Any = None,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Render one view: image [H,W,3], alpha [H,W,1], info (what gsplat's strategies read).
@@ -331,9 +326,7 @@ def render_cuda(
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
         conics = span.input(splats.conics) if span is not None else None
-        image, alpha = rasterize_splats(
-            splats, colors, background, absgrad, atomic_mode, atomic_threshold, tuner, vector_atomics, conics
-        )
+        image, alpha = rasterize_splats(splats, colors, background, options, conics)
         if span is not None:
             image = span.output(image)
     info = strategy_info(splats.means2d, splats.radii, splats.depths, splats.conics, width, height, TILE_SIZE)
@@ -341,9 +334,12 @@ def render_cuda(
 
 
 def render_depth_cuda(
-    params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int
+    params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
+    gsplat_raster: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Camera-space depth composited like colour (1 channel): (sum w_i d_i [H,W,1], alpha [H,W,1])."""
+    """Camera-space depth composited like colour (1 channel): (sum w_i d_i [H,W,1], alpha [H,W,1]),
+    on our kernels or (gsplat_raster) on gsplat's."""
     splats = project_splats(params, viewmat, K, width, height)
-    acc, alpha = rasterize_splats(splats, splats.depths[..., None], atomic_mode="warp")
+    options = RasterOptions(atomic_mode="warp", gsplat_raster=gsplat_raster)
+    acc, alpha = rasterize_splats(splats, splats.depths[..., None], options=options)
     return acc[0], alpha[0]

@@ -83,3 +83,13 @@ def sh_to_color(sh: Tensor, dirs: Tensor, degree: int) -> Tensor:
         basis = sh_basis(unit, degree)  # [N, k]
         rgb = torch.einsum("nk,nkc->nc", basis, sh[..., :k, :])
     return (rgb + 0.5).clamp_min(0.0)
+
+
+def sh_degree_at(step: int, interval: int, max_degree: int, stored: int | None = None) -> int:
+    """The SH degree training uses at `step`: one more every `interval` steps, up to max_degree
+    (and up to `stored`, the degree the coefficients hold, when given). interval <= 0: max_degree.
+
+    The one schedule: the trainer, `gstrain eval`, `gstrain render` and `profile` all read it.
+    """
+    reached = step // interval if interval > 0 else max_degree
+    return max(0, min(reached, max_degree, max_degree if stored is None else stored))

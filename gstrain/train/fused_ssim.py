@@ -25,7 +25,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gstrain.cuda_build import load_extension
-from gstrain.train.losses import SSIM_SIGMA, SSIM_WINDOW, LossFn, photometric_loss, ssim_conv
+from gstrain.metrics import SSIM_SIGMA, SSIM_WINDOW, ssim_conv
+from gstrain.train.losses import photometric_loss
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_PATHS = (_CSRC / "bindings.cpp", _CSRC / "fused_ssim.cu")
@@ -113,16 +114,3 @@ def fused_ssim(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float 
     if img.dim() == 3:  # views, no copies
         img, gt = img.unsqueeze(0), gt.unsqueeze(0)
     return _FusedSsim.apply(img.contiguous(), gt.detach().contiguous())
-
-
-def training_loss_for(device: torch.device, fused: bool) -> LossFn:
-    """The loss a trainer on `device` trains with: the fused kernels on CUDA when enabled, else
-    L1 + SSIM as PyTorch convolutions (losses.photometric_loss).
-
-    The fused extension is built here, before any timed step, so a compile or a missing
-    toolchain shows up at start-up rather than inside the first step.
-    """
-    if fused and torch.device(device).type == "cuda":
-        ensure_built()
-        return fused_photometric_loss
-    return photometric_loss

@@ -2,7 +2,8 @@
 
 Shared by the trainer and `gstrain profile`, so the profile times exactly the step `gstrain fit`
 runs, with the same speed switches:
-  render.atomic_mode   our rasterizer's backward reduction (arc), or gsplat's rasterizer
+  render.backend       our CUDA rasterizer, or gsplat's (the reference on the CPU)
+  render.atomic_mode   our rasterizer's backward reduction (arc)
   train.fused_ssim     the fused SSIM kernel instead of PyTorch convolutions
   optim.fused_adam     one launch of our multi-tensor Adam instead of six torch Adam steps
   optim.sparse_adam    only the Gaussians drawn this step are updated
@@ -20,8 +21,8 @@ from torch import Tensor
 
 from gstrain.config import Config
 from gstrain.render import Renderer
-from gstrain.train.fused_ssim import training_loss_for
-from gstrain.train.strategy import Densifier
+from gstrain.train.losses import training_loss_for
+from gstrain.train.strategies.base import Strategy
 from gstrain.train.timing import PhaseTimer
 
 
@@ -36,11 +37,11 @@ class StepResult:
 class StepRunner:
     """Runs training steps on a parameter dict and its per-tensor optimizers (both owned by the caller)."""
 
-    def __init__(self, cfg: Config, renderer: Renderer, densifier: Densifier, timer: PhaseTimer,
+    def __init__(self, cfg: Config, renderer: Renderer, strategy: Strategy, timer: PhaseTimer,
                  device: torch.device) -> None:  # fmt: skip
         self.cfg = cfg
         self.renderer = renderer
-        self.densifier = densifier
+        self.strategy = strategy
         self.timer = timer
         # this runner's own loss: two runners in one process may train with different ones
         self.loss_fn = training_loss_for(device, cfg.train.fused_ssim)
@@ -67,10 +68,10 @@ class StepRunner:
         height, width = gt.shape[:2]
         with timer.phase("forward"):
             image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
-        self.densifier.pre_backward(params, optimizers, step, info)
+        self.strategy.step_pre_backward(params, optimizers, step, info)
         with timer.phase("loss"):
             loss, terms = self.loss_fn(image, gt, self.cfg.train.ssim_lambda)
-            reg = self.densifier.mcmc_regularisers(params)
+            reg = self.strategy.loss_term(params)
             if reg is not None:
                 loss = loss + reg
         with timer.phase("backward"):
@@ -81,7 +82,7 @@ class StepRunner:
                 scheduler.step()
         with timer.phase("densify"):
             means_lr = optimizers["means"].param_groups[0]["lr"]
-            changed = self.densifier.post_backward(params, optimizers, step, info, means_lr)
+            changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)
         if changed:
             self.renderer.gaussians_changed()
         timer.step_done()

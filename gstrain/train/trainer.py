@@ -4,12 +4,10 @@ checkpoints, Ctrl-C and NaN safety. The trainer owns the loop; the modules it ca
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +18,18 @@ from tqdm import tqdm
 from gstrain.config import Config
 from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
-from gstrain.evaluate import Metrics
+from gstrain.metrics import Metrics, psnr
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
+from gstrain.render.sh import sh_degree_at
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
-from gstrain.train.losses import psnr
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
+from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.step import StepRunner
-from gstrain.train.strategy import Densifier
+from gstrain.train.strategies import build_strategy
 from gstrain.train.timing import PhaseTimer
 
-
-@dataclass
-class FitResult:
-    status: str  # "done" | "stopped" (at train.stop_at) | "interrupted" | "nan"
-    step: int  # steps completed
-    seconds: float
-    num_gaussians: int
-    initial_test_psnr: float | None
-    final_test_psnr: float | None
-    checkpoint: Path | None
-    final_train_psnr: float | None = None  # on the last progress step's training view
+__all__ = ["FitResult", "Trainer", "ViewSampler", "seed_everything"]
 
 
 class ViewSampler:
@@ -146,19 +135,13 @@ class Trainer:
         self.params = self._initial_params()
         self.optimizers = build_optimizers(self.params, cfg.optim, scene.extent)
         self.scheduler = build_means_scheduler(self.optimizers["means"], cfg.optim, cfg.train.steps)
-        self.densifier = Densifier(cfg.strategy, scene.extent, device)
-        self.densifier.check(self.params, self.optimizers)
+        self.strategy = build_strategy(cfg.strategy, scene.extent, device)
+        self.strategy.check(self.params, self.optimizers)
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
-        self.runner = StepRunner(cfg, self.renderer, self.densifier, self.timer, device)
-        self.phase_ms_sum: dict[str, float] = {}  # over logged windows, for the run summary
-        self.host_ms_sum: dict[str, float] = {}
-        self.phase_steps = 0
-        self.test_history: list[dict[str, float]] = []  # this process's test evaluations
-        self.last_test_views: tuple[int, dict[str, float]] | None = None  # (step, PSNR per test view)
-        self.max_gaussians = 0  # the most Gaussians in this process's fit (peak memory follows it)
-        self._first_step = 0
+        self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
+        self.record = RunRecord()  # what this process reports in train_summary.json
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
         self.checkpoints = CheckpointWriter(run_dir, keep=cfg.log.keep_ckpts)
@@ -189,7 +172,7 @@ class Trainer:
             "params": {k: v.detach() for k, v in self.params.items()},  # CheckpointWriter copies
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
             "scheduler": self.scheduler.state_dict(),
-            "strategy": self.densifier.state_dict(),
+            "strategy": self.strategy.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": _rng_state(),
             "config": self.cfg.to_dict(),
@@ -204,7 +187,7 @@ class Trainer:
             opt.load_state_dict(state["optimizers"][name])
         self.scheduler = build_means_scheduler(self.optimizers["means"], self.cfg.optim, self.cfg.train.steps)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.densifier.load_state_dict(state["strategy"], self.device)
+        self.strategy.load_state_dict(state["strategy"], self.device)
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
@@ -248,7 +231,7 @@ class Trainer:
         scores = self.score_views(self.scene.test)
         if scores is None:
             return None
-        self.last_test_views = (self.step, scores["views_psnr"])
+        self.record.last_test_views = (self.step, scores["views_psnr"])
         return {"psnr": scores["psnr"], "ssim": scores["ssim"]}
 
     @torch.no_grad()
@@ -264,7 +247,7 @@ class Trainer:
         return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view}
 
     def active_sh_degree(self) -> int:
-        return min(self.step // self.cfg.train.sh_degree_interval, self.cfg.model.sh_degree)
+        return sh_degree_at(self.step, self.cfg.train.sh_degree_interval, self.cfg.model.sh_degree)
 
     # ----------------------------------------------------------------- loop
     def _tb(self):
@@ -285,7 +268,7 @@ class Trainer:
             scheduler=self.scheduler,
         )
         if result.changed:  # the count is known on the host: no sync
-            self.max_gaussians = max(self.max_gaussians, len(self.params["means"]))
+            self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
         return result.loss, result.terms, result.image, gt
 
     def fit(self, resume: bool = False) -> FitResult:
@@ -300,12 +283,11 @@ class Trainer:
         # exactly as an unpaused run would
         end = cfg.train.stop_at or total
         start_step = self.step
-        self._first_step = start_step
-        self.max_gaussians = len(self.params["means"])
+        self.record = RunRecord(first_step=start_step, max_gaussians=len(self.params["means"]))
         initial = self.evaluate_test() if start_step == 0 else None
         if initial is not None:
             self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
-            self.test_history.append({"step": 0, **initial})
+            self.record.test_history.append({"step": 0, **initial})
         eval_steps = set(cfg.log.eval_steps) | {end}
         save_steps = set(cfg.log.save_steps) | {end}
         last_psnr = float("nan")
@@ -339,7 +321,7 @@ class Trainer:
                 if step in eval_steps:
                     metrics = self.evaluate_test()
                     if metrics is not None:
-                        self.test_history.append({"step": step, **metrics})
+                        self.record.test_history.append({"step": step, **metrics})
                         self._tb().add_scalar("test/psnr", metrics["psnr"], step)
                         self._tb().add_scalar("test/ssim", metrics["ssim"], step)
                         self._log_test_renders(step)
@@ -377,7 +359,7 @@ class Trainer:
             ckpt = good[-1][1] if good else None
         final = None
         if finished:  # the loop's own evaluation of the last step, when it made one
-            last = self.test_history[-1] if self.test_history else None
+            last = self.record.test_history[-1] if self.record.test_history else None
             final = last if last is not None and last["step"] == self.step else self.evaluate_test()
         result = FitResult(
             status=status, step=self.step, seconds=seconds, num_gaussians=len(self.params["means"]),
@@ -386,7 +368,10 @@ class Trainer:
             final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
         )
         train_views = self.score_views(self.scene.train) if finished and cfg.log.eval_train_views else None
-        self._write_summary(result, final, train_views)
+        on_ours = self.renderer.backend == "cuda"  # the atomic mode means something on our kernels only
+        write_run_record(self.run_dir, self.record, result, final, train_views, self.renderer.backend,
+                         self.cfg.render.atomic_mode if on_ours else None, self.renderer.atomic_threshold,
+                         self.device)  # fmt: skip
         if self.writer is not None:
             self.writer.close()
         return result
@@ -402,13 +387,12 @@ class Trainer:
         for name, lr in current_lrs(self.optimizers).items():
             tb.add_scalar(f"lr/{name}", lr, step)
         window = self.timer.pending_steps
-        for phase, ms in self.timer.summary().items():  # synchronises: the window's GPU work is done
+        phase_ms = self.timer.summary()  # synchronises: the window's GPU work is done
+        for phase, ms in phase_ms.items():
             tb.add_scalar(f"time_ms/{phase}", ms, step)
-            self.phase_ms_sum[phase] = self.phase_ms_sum.get(phase, 0.0) + ms * window
         for phase, ms in self.timer.last_host_ms.items():
             tb.add_scalar(f"host_ms/{phase}", ms, step)
-            self.host_ms_sum[phase] = self.host_ms_sum.get(phase, 0.0) + ms * window
-        self.phase_steps += window
+        self.record.add_window(phase_ms, self.timer.last_host_ms, window)
         now = time.perf_counter()
         if self._window_start is not None and step > self._window_start[0]:
             # wall clock per step over the window, logging included: what the user waits for
@@ -427,42 +411,3 @@ class Trainer:
             self._tb().add_image(f"test/{view.name}", image.permute(2, 0, 1).cpu(), step)
             if i >= 1:
                 break
-
-    def _write_summary(
-        self, result: FitResult, final: dict[str, float] | None, train_views: dict[str, Any] | None = None
-    ) -> None:
-        test_views = self.last_test_views
-        summary = {
-            "status": result.status,
-            "steps": result.step,
-            "first_step": self._first_step,  # where this process began (> 0: resumed)
-            "seconds": round(result.seconds, 2),
-            "num_gaussians": result.num_gaussians,
-            "max_gaussians": self.max_gaussians,  # set at the start of fit, raised on every change
-            "initial_test_psnr": result.initial_test_psnr,
-            "final_test_psnr": result.final_test_psnr,
-            "final_test_ssim": final["ssim"] if final else None,
-            "final_train_psnr": result.final_train_psnr,
-            "test_history": self.test_history,  # {step, psnr, ssim} at step 0 and every evaluation
-            "final_test_views_psnr": test_views[1] if final and test_views and test_views[0] == result.step else None,
-            # log.eval_train_views: every training view scored after the loop (not in `seconds`)
-            "final_train_views": None if train_views is None else {
-                "psnr": train_views["psnr"], "ssim": train_views["ssim"],
-                "min_psnr": min(train_views["views_psnr"].values()), "views_psnr": train_views["views_psnr"],
-            },
-            "backend": self.renderer.backend,
-            "atomic_mode": self.cfg.render.atomic_mode if self.renderer.backend == "cuda" else None,
-            "atomic_threshold": self.renderer.atomic_threshold,
-            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-            "phase_ms_per_step": {
-                k: round(v / self.phase_steps, 4) for k, v in self.phase_ms_sum.items()
-            } if self.phase_steps else None,
-            "host_ms_per_step": {
-                k: round(v / self.phase_steps, 4) for k, v in self.host_ms_sum.items()
-            } if self.phase_steps else None,
-            "wall_ms_per_step": round(result.seconds * 1e3 / max(result.step - self._first_step, 1), 4),
-            "peak_gpu_memory_gib": (
-                round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3) if self.device.type == "cuda" else None
-            ),
-        }
-        (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))

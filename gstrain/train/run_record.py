@@ -1,0 +1,99 @@
+"""The run record: what one `fit` process reports about itself, written once as train_summary.json.
+
+The trainer feeds it (timings per logged window, Gaussian counts, test evaluations) and calls
+write_run_record at the end; studies (bench/) derive their statistics from the JSON, the trainer
+keeps none of its own. Field names are stable: scripts read them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUMMARY_FILE = "train_summary.json"
+
+
+@dataclass
+class FitResult:
+    status: str  # "done" | "stopped" (at train.stop_at) | "interrupted" | "nan"
+    step: int  # steps completed
+    seconds: float
+    num_gaussians: int
+    initial_test_psnr: float | None
+    final_test_psnr: float | None
+    checkpoint: Path | None
+    final_train_psnr: float | None = None  # on the last progress step's training view
+
+
+@dataclass
+class RunRecord:
+    """Accumulated during one fit process (a resumed run starts a new record at first_step)."""
+
+    first_step: int = 0
+    max_gaussians: int = 0  # the most Gaussians in this process's fit (peak memory follows it)
+    test_history: list[dict[str, float]] = field(default_factory=list)  # {step, psnr, ssim}
+    last_test_views: tuple[int, dict[str, float]] | None = None  # (step, PSNR per test view)
+    phase_ms_sum: dict[str, float] = field(default_factory=dict)  # over logged windows
+    host_ms_sum: dict[str, float] = field(default_factory=dict)
+    phase_steps: int = 0
+
+    def add_window(self, phase_ms: dict[str, float], host_ms: dict[str, float], steps: int) -> None:
+        """Per-step means of one timing window of `steps` steps."""
+        for phase, ms in phase_ms.items():
+            self.phase_ms_sum[phase] = self.phase_ms_sum.get(phase, 0.0) + ms * steps
+        for phase, ms in host_ms.items():
+            self.host_ms_sum[phase] = self.host_ms_sum.get(phase, 0.0) + ms * steps
+        self.phase_steps += steps
+
+    def per_step(self, sums: dict[str, float]) -> dict[str, float] | None:
+        return {k: round(v / self.phase_steps, 4) for k, v in sums.items()} if self.phase_steps else None
+
+
+def write_run_record(
+    run_dir: Path,
+    record: RunRecord,
+    result: FitResult,
+    final: dict[str, float] | None,
+    train_views: dict[str, Any] | None,
+    backend: str,
+    atomic_mode: str | None,
+    atomic_threshold: int | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Write <run>/train_summary.json for this fit process; returns what it wrote."""
+    test_views = record.last_test_views
+    summary = {
+        "status": result.status,
+        "steps": result.step,
+        "first_step": record.first_step,  # where this process began (> 0: resumed)
+        "seconds": round(result.seconds, 2),
+        "num_gaussians": result.num_gaussians,
+        "max_gaussians": record.max_gaussians,  # set at the start of fit, raised on every change
+        "initial_test_psnr": result.initial_test_psnr,
+        "final_test_psnr": result.final_test_psnr,
+        "final_test_ssim": final["ssim"] if final else None,
+        "final_train_psnr": result.final_train_psnr,
+        "test_history": record.test_history,  # {step, psnr, ssim} at step 0 and every evaluation
+        "final_test_views_psnr": test_views[1] if final and test_views and test_views[0] == result.step else None,
+        # log.eval_train_views: every training view scored after the loop (not in `seconds`)
+        "final_train_views": None if train_views is None else {
+            "psnr": train_views["psnr"], "ssim": train_views["ssim"],
+            "min_psnr": min(train_views["views_psnr"].values()), "views_psnr": train_views["views_psnr"],
+        },
+        "backend": backend,
+        "atomic_mode": atomic_mode,  # our CUDA backward's reduction; None on other backends
+        "atomic_threshold": atomic_threshold,
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        "phase_ms_per_step": record.per_step(record.phase_ms_sum),
+        "host_ms_per_step": record.per_step(record.host_ms_sum),
+        "wall_ms_per_step": round(result.seconds * 1e3 / max(result.step - record.first_step, 1), 4),
+        "peak_gpu_memory_gib": (
+            round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
+        ),
+    }  # fmt: skip
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary

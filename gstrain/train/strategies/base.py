@@ -1,0 +1,55 @@
+"""The interface every densification strategy implements.
+
+The trainer and `gstrain profile` call, per step: step_pre_backward (after the render, before
+the loss), loss_term (added to the loss; None for none), step_post_backward (after the optimizer
+step; True when the set of Gaussians may have changed). `state` is what a checkpoint stores.
+Nothing here may read a value back from the GPU: it runs inside the timed step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gstrain.config import StrategyConfig
+
+Params = torch.nn.ParameterDict
+Optimizers = dict[str, torch.optim.Optimizer]
+
+
+class Strategy:
+    """Base class: holds the config and the state dict; subclasses fill in the steps."""
+
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
+        self.cfg = cfg
+        self.scene_extent = scene_extent
+        self.device = device
+        self.state: dict[str, Any] = {}
+
+    def check(self, params: Params, optimizers: Optimizers) -> None:
+        """Raise when params and optimizers do not fit this strategy (called once, at set-up)."""
+
+    def step_pre_backward(self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any]) -> None:
+        """After the render of `step`, before its loss: e.g. ask for the screen-space gradient."""
+
+    def step_post_backward(
+        self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any], means_lr: float
+    ) -> bool:
+        """After the optimizer step of `step`; True when this step may have changed the Gaussian set."""
+        raise NotImplementedError
+
+    def loss_term(self, params: Params) -> torch.Tensor | None:
+        """A regulariser added to the training loss, or None."""
+        return None
+
+    def refines_at(self, step: int) -> bool:
+        """gsplat refines after step `step` when start < step < stop and step % every == 0."""
+        c = self.cfg
+        return c.refine_start < step < c.refine_stop and step % c.refine_every == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in self.state.items()}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.state = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in state.items()}

@@ -1,0 +1,123 @@
+"""strategy.name=default: gsplat's DefaultStrategy (clone, split, prune, opacity reset), driven
+as gsplat ships it, with two changes of ours: FastStatsStrategy's per-step statistics without
+host syncs, and the opacity reset that gsplat 1.5.3 skips (see gsplat_skips_opacity_reset)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
+from gsplat.strategy.ops import reset_opa
+
+from gstrain.config import StrategyConfig
+from gstrain.train.strategies.base import Optimizers, Params, Strategy
+
+
+class _ResetProbe(GsplatDefaultStrategy):
+    """gsplat's DefaultStrategy with no statistics: its post-backward step needs no gradients."""
+
+    def _update_state(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+@functools.cache
+def gsplat_skips_opacity_reset() -> bool:
+    """True when the installed gsplat's DefaultStrategy does not reset opacities on its schedule.
+
+    Found by running it, not by reading its version or source: two Gaussians of opacity 0.5 go
+    through step_post_backward at a reset step (reset_every=2, step 2, no refinement due), and a
+    reset would lower them to 2 x prune_opa. gsplat 1.5.3 tests `step % reset_every == 0 & step > 0`,
+    which Python reads as the chained comparison `step % reset_every == (0 & step) > 0` and
+    never resets (gsplat issue #797, fixed upstream by PR #776); 1.5.2 and main reset.
+    """
+    params = torch.nn.ParameterDict({
+        "means": torch.zeros(2, 3), "scales": torch.zeros(2, 3), "quats": torch.tensor([[1.0, 0, 0, 0]] * 2),
+        "opacities": torch.zeros(2), "sh0": torch.zeros(2, 1, 3), "shN": torch.zeros(2, 0, 3),
+    })  # fmt: skip
+    optimizers: Optimizers = {k: torch.optim.Adam([p], lr=0.0) for k, p in params.items()}
+    probe = _ResetProbe(refine_start_iter=10, refine_stop_iter=100, refine_every=10, reset_every=2)
+    state = probe.initialize_state(scene_scale=1.0)
+    probe.step_post_backward(params, optimizers, state, step=2, info={}, packed=False)
+    return bool(torch.equal(params["opacities"].detach(), torch.zeros(2)))
+
+
+class FastStatsStrategy(GsplatDefaultStrategy):
+    """gsplat's DefaultStrategy with its per-step statistics kept densely.
+
+    Growing, pruning and resets are gsplat's own. Only `_update_state`, which runs every step
+    until refine_stop, changes: gsplat gathers the visible Gaussians with torch.where and boolean
+    indexing, three host syncs a step; here every Gaussian adds its norm or nothing (one kernel
+    on the GPU), which gives the same grad2d and count. Cases that the dense form does not cover
+    (packed renders, several cameras, the radii statistic) go to gsplat's code.
+    """
+
+    def _update_state(self, params, state, info, packed: bool = False) -> None:  # type: ignore[override]
+        if packed or self.refine_scale2d_stop_iter > 0 or info["n_cameras"] != 1:
+            return super()._update_state(params, state, info, packed=packed)
+        means2d = info[self.key_for_gradient]
+        grads = means2d.absgrad if self.absgrad else means2d.grad
+        n = len(params["means"])
+        if state["grad2d"] is None:
+            state["grad2d"] = torch.zeros(n, device=grads.device)
+        if state["count"] is None:
+            state["count"] = torch.zeros(n, device=grads.device)
+        scale_x = info["width"] / 2.0 * info["n_cameras"]
+        scale_y = info["height"] / 2.0 * info["n_cameras"]
+        radii = info["radii"].reshape(n, 2)
+        grads = grads.reshape(n, 2)
+        if grads.is_cuda:
+            from gstrain.train.step_ops import ensure_built
+
+            ensure_built().grad2d_stats(grads.float().contiguous(), radii.to(torch.int32).contiguous(),
+                                        scale_x, scale_y, state["grad2d"], state["count"])  # fmt: skip
+            return None
+        visible = (radii > 0).all(dim=-1)
+        scaled = grads.clone()
+        scaled[:, 0] *= scale_x
+        scaled[:, 1] *= scale_y
+        norms = scaled.norm(dim=-1)
+        state["grad2d"] += torch.where(visible, norms, torch.zeros_like(norms))
+        state["count"] += visible.to(state["count"].dtype)
+        return None
+
+
+class DefaultStrategy(Strategy):
+    """gsplat's DefaultStrategy (FastStatsStrategy unless strategy.fast_stats=false) and its state."""
+
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
+        super().__init__(cfg, scene_extent, device)
+        strategy_cls = FastStatsStrategy if cfg.fast_stats else GsplatDefaultStrategy
+        self.gsplat = strategy_cls(
+            prune_opa=cfg.prune_opa,
+            grow_grad2d=cfg.grow_grad2d,
+            grow_scale3d=cfg.grow_scale3d,
+            prune_scale3d=cfg.prune_scale3d,
+            refine_start_iter=cfg.refine_start,
+            refine_stop_iter=cfg.refine_stop,
+            refine_every=cfg.refine_every,
+            reset_every=cfg.reset_every,
+            absgrad=cfg.absgrad,
+        )
+        self.state = self.gsplat.initialize_state(scene_scale=scene_extent)
+
+    def check(self, params: Params, optimizers: Optimizers) -> None:
+        self.gsplat.check_sanity(params, optimizers)
+
+    def step_pre_backward(self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any]) -> None:
+        self.gsplat.step_pre_backward(params, optimizers, self.state, step, info)
+
+    def step_post_backward(
+        self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any], means_lr: float
+    ) -> bool:
+        self.gsplat.step_post_backward(params, optimizers, self.state, step, info, packed=False)
+        if self.resets_at(step) and gsplat_skips_opacity_reset():
+            reset_opa(params=params, optimizers=optimizers, state=self.state, value=2.0 * self.cfg.prune_opa)
+        return self.refines_at(step)
+
+    def resets_at(self, step: int) -> bool:
+        """Opacities reset (to 2 x prune_opa) after step `step` when 0 < step < refine_stop and
+        step % reset_every == 0, as gsplat's fixed condition reads."""
+        c = self.cfg
+        return 0 < step < c.refine_stop and step % c.reset_every == 0
