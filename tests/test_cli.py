@@ -75,6 +75,10 @@ def test_empty_point_cloud(scene_copy, tmp_path):
         (["--steps", "abc"], "steps"),
         (["--device", "tpu"], "train.device"),
         (["--atomic-mode", "fastest"], "atomic_mode"),
+        (["--atomic-mode", "gsplat"], "--atomic-mode gsplat is no longer an atomic mode: gsplat's rasterizer is a "
+                                      "backend, use --backend gsplat"),
+        (["--set", "render.atomic_mode=gsplat"], "use render.backend=gsplat"),
+        (["--backend", "vulkan"], "render.backend must be one of auto, reference, cuda, gsplat"),
         (["--factor", "0"], "factor"),
         (["--bogus-flag"], "bogus"),
     ],
@@ -92,6 +96,8 @@ def test_unknown_key_in_config_file(demo_scene, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_requested_without_gpu(demo_scene, tmp_path):
     assert_user_error(run_cli("fit", demo_scene, "--device", "cuda", "--out", tmp_path / "r"), "no CUDA GPU")
+    assert_user_error(run_cli("fit", demo_scene, "--backend", "gsplat", "--out", tmp_path / "g"),
+                      "render.backend=gsplat needs a CUDA GPU")
 
 
 def test_eval_and_export_on_non_run(tmp_path):
@@ -256,5 +262,7 @@ def test_profile_needs_a_gpu(demo_scene):
 
 def test_profile_bad_flags(demo_scene):
     assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "fast"), "--atomic-mode must be one of")
+    assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "arc,gsplat"), "use --backend gsplat")
+    assert_user_error(run_cli("profile", demo_scene, "--backend", "vulkan"), "--backend must be one of")
     assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer mode")
     assert_user_error(run_cli("profile", demo_scene, "--iters", "0"), "--iters must be >= 1")

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from gstrain.config import Config, build_config, config_from_dict, parse_override
+from gstrain.config import Config, build_config, config_from_dict, parse_override, save_config
 from gstrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,3 +60,33 @@ def test_types_are_coerced_from_strings():
 def test_round_trip_through_dict():
     cfg = build_config(overrides=[{"log": {"eval_steps": [5, 10]}}])
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_backend_and_atomic_mode_are_separate_choices():
+    cfg = build_config(overrides=[parse_override("render.backend=gsplat"), parse_override("render.atomic_mode=warp")])
+    assert (cfg.render.backend, cfg.render.atomic_mode) == ("gsplat", "warp")
+    with pytest.raises(UserError) as err:
+        build_config(overrides=[parse_override("render.atomic_mode=gsplat")])
+    assert str(err.value) == ("render.atomic_mode gsplat is no longer an atomic mode: gsplat's rasterizer is a "
+                              "backend, use render.backend=gsplat")
+    with pytest.raises(UserError, match="render.backend must be one of auto, reference, cuda, gsplat; got 'vulkan'"):
+        build_config(overrides=[parse_override("render.backend=vulkan")])
+    with pytest.raises(UserError, match="render.atomic_mode must be one of atomic, warp, distwar, arc; got 'fast'"):
+        build_config(overrides=[parse_override("render.atomic_mode=fast")])
+
+
+def test_saved_config_with_atomic_mode_gsplat_loads_as_backend_gsplat(tmp_path):
+    """Run folders and checkpoints from before render.backend=gsplat existed still load."""
+    old = Config().to_dict()
+    old["render"] = {"backend": "auto", "atomic_mode": "gsplat", "atomic_threshold": 5}
+    cfg = config_from_dict(old)
+    assert (cfg.render.backend, cfg.render.atomic_mode, cfg.render.atomic_threshold) == ("gsplat", "arc", 5)
+    assert old["render"]["atomic_mode"] == "gsplat"  # the caller's dict is not modified
+
+    from gstrain.run_dir import create_run_dir, load_run
+
+    run = tmp_path / "run"
+    create_run_dir(run, tmp_path, Config())
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("atomic_mode: arc", "atomic_mode: gsplat"))
+    loaded, _ = load_run(run)
+    assert (loaded.render.backend, loaded.render.atomic_mode) == ("gsplat", "arc")

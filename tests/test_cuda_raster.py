@@ -387,6 +387,7 @@ def make_params(n: int, seed: int, sh_degree: int = 3) -> dict[str, Tensor]:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("sh_degree", "absgrad", "background"), [(3, True, True), (1, False, False)])
 def test_render_cuda_matches_reference(mode: str, sh_degree: int, absgrad: bool, background: bool) -> None:
+    from gstrain.render.common import RasterOptions
     from gstrain.render.cuda import render_cuda
     from gstrain.render.reference import render_reference
 
@@ -402,7 +403,7 @@ def test_render_cuda_matches_reference(mode: str, sh_degree: int, absgrad: bool,
         p = {k: v.to("cuda", dtype).detach().clone().requires_grad_(True) for k, v in raw.items()}
         image, alpha, info = fn(
             p, viewmat.cuda().to(dtype), K.cuda().to(dtype), width, height, sh_degree,
-            None if bg is None else bg.cuda().to(dtype), absgrad=absgrad, **kw,
+            None if bg is None else bg.cuda().to(dtype), **kw,
         )  # fmt: skip
         info["means2d"].retain_grad()
         loss = (image * w_img.cuda().to(dtype)).sum() + (alpha * w_a.cuda().to(dtype)).sum()
@@ -414,8 +415,8 @@ def test_render_cuda_matches_reference(mode: str, sh_degree: int, absgrad: bool,
             out["absgrad"] = info["means2d"].absgrad
         return out, info
 
-    ours, info = run(torch.float32, render_cuda, atomic_mode=mode)
-    ref, ref_info = run(torch.float64, render_reference)
+    ours, info = run(torch.float32, render_cuda, options=RasterOptions(absgrad=absgrad, atomic_mode=mode))
+    ref, ref_info = run(torch.float64, render_reference, absgrad=absgrad)
     assert set(ref_info) <= set(info)
     assert info["radii"].dtype == torch.int32 and info["radii"].shape == (1, 400, 2)
     assert info["means2d"].shape == (1, 400, 2)
@@ -433,6 +434,7 @@ def test_default_strategy_runs_on_render_cuda(absgrad: bool) -> None:
     from gsplat.strategy import DefaultStrategy
 
     from gstrain.render.arc import ArcTuner
+    from gstrain.render.common import RasterOptions
     from gstrain.render.cuda import render_cuda
 
     width, height = 64, 48
@@ -454,9 +456,7 @@ def test_default_strategy_runs_on_render_cuda(absgrad: bool) -> None:
             width,
             height,
             1,
-            absgrad=absgrad,
-            atomic_mode="arc",
-            tuner=tuner,
+            options=RasterOptions(absgrad=absgrad, atomic_mode="arc", tuner=tuner),
         )
         strategy.step_pre_backward(params, optimizers, state, step, info)
         image.mean().backward()

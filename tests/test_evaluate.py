@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 
-from gstrain import evaluate
-from gstrain.evaluate import Metrics, load_lpips, score_images
+from gstrain import metrics
+from gstrain.metrics import Metrics, load_lpips, score_images
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,7 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(evaluate, "_lpips_cache", {})
+    monkeypatch.setattr(metrics, "_lpips_cache", {})
 
 
 @pytest.fixture

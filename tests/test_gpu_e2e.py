@@ -39,8 +39,10 @@ def test_modes_agree_on_a_training_step(demo_scene):
     view = scene.train[0]
     gt = view.image.cuda().float() / 255
     grads = {}
+    # our four reductions, and gsplat's rasterizer (render.backend=gsplat) under the name "gsplat"
     for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
-        cfg = build_config(overrides=[{"render": {"atomic_mode": mode}}])
+        render = {"backend": "gsplat"} if mode == "gsplat" else {"backend": "cuda", "atomic_mode": mode}
+        cfg = build_config(overrides=[{"render": render}])
         params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in base.items()})
         image, _, _ = Renderer(cfg.render, torch.device("cuda"))(
             params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height, 1, torch.zeros(3, device="cuda")
@@ -65,9 +67,10 @@ def test_depth_on_cuda_matches_reference(demo_scene):
     params = init_gaussians(scene.points, scene.point_colors, sh_degree=1, device="cuda")
     view = scene.test[0]
     args = (params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height)
-    ours = Renderer(RenderConfig(backend="cuda"), torch.device("cuda")).render_depth(*args)
     ref = Renderer(RenderConfig(backend="reference"), torch.device("cuda")).render_depth(*args)
-    assert (ours - ref).abs().max() < 1e-3 * ref.abs().max()
+    for backend in ("cuda", "gsplat"):  # our kernels and gsplat's rasterizer
+        ours = Renderer(RenderConfig(backend=backend), torch.device("cuda")).render_depth(*args)
+        assert (ours - ref).abs().max() < 1e-3 * ref.abs().max(), backend
 
 
 def test_profile_command_on_demo(demo_scene, tmp_path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gstrain.train.losses import l1_loss, photometric_loss, psnr, ssim_conv
+from gstrain.metrics import psnr, ssim_conv
+from gstrain.train.losses import l1_loss, photometric_loss
 
 
 def _img(h: int, w: int, seed: int) -> torch.Tensor:

@@ -9,7 +9,15 @@ from conftest import SHARED_DATA
 
 from gstrain.config import Config
 from gstrain.errors import UserError
-from gstrain.profile import SWITCHES, format_table, load_workload, profile_config, switch_variants
+from gstrain.profile import (
+    SWITCHES,
+    column_config,
+    format_table,
+    load_workload,
+    profile_columns,
+    profile_config,
+    switch_variants,
+)
 
 
 def test_workload_from_scene_and_from_run(demo_scene, tmp_path):
@@ -58,9 +66,9 @@ def test_switch_variants_turn_off_one_switch_each_and_all_for_the_baseline():
     assert list(variants) == ["all on", *SWITCHES, "baseline"]
     assert variants["all on"].render.atomic_mode == "arc" and variants["all on"].optim.fused_adam
     assert variants["torch Adam"].optim.fused_adam is False and variants["torch Adam"].train.fused_ssim
-    assert variants["gsplat raster"].render.atomic_mode == "gsplat"
+    assert variants["gsplat raster"].render.backend == "gsplat"
     base = variants["baseline"]
-    assert (base.render.atomic_mode, base.train.fused_ssim, base.optim.fused_adam, base.strategy.fast_stats) == (
+    assert (base.render.backend, base.train.fused_ssim, base.optim.fused_adam, base.strategy.fast_stats) == (
         "gsplat", False, False, False)
     assert cfg.optim.fused_adam  # the input is not modified
 
@@ -76,3 +84,26 @@ def test_profile_config_times_whole_windows_on_cpu(demo_scene):
         assert all(v > 0 for v in samples[key]), key
     # the phases run inside the step: together they cannot take longer than the wall clock
     assert all(t <= w * 1.05 for t, w in zip(samples["total"], samples["wall"], strict=True))
+
+
+def test_profile_columns_from_the_flags():
+    assert profile_columns("all", "all") == ["atomic", "warp", "distwar", "arc", "gsplat"]
+    assert profile_columns("all", "cuda") == ["atomic", "warp", "distwar", "arc"]
+    assert profile_columns("arc, warp", "gsplat") == ["gsplat"]
+    assert profile_columns("distwar", "all") == ["distwar", "gsplat"]
+    assert profile_columns("all", "all", switches=True) == ["arc"]
+    assert profile_columns("all", "gsplat", switches=True) == ["gsplat"]
+    with pytest.raises(UserError, match="use --backend gsplat"):
+        profile_columns("arc,gsplat", "all")
+    with pytest.raises(UserError, match="--backend must be one of cuda, gsplat, all"):
+        profile_columns("all", "reference")
+
+
+def test_column_config_picks_backend_and_mode():
+    cfg = Config()
+    cfg.render.atomic_threshold = 5
+    assert (column_config(cfg, "gsplat").render.backend, column_config(cfg, "gsplat").render.atomic_threshold) == (
+        "gsplat", 5)
+    warp = column_config(cfg, "warp").render
+    assert (warp.backend, warp.atomic_mode) == ("cuda", "warp")
+    assert (cfg.render.backend, cfg.render.atomic_mode) == ("auto", "arc")  # the input is not modified

@@ -17,7 +17,8 @@ from gsplat.strategy.ops import duplicate
 
 from gstrain.config import StrategyConfig, build_config
 from gstrain.train.optim import build_optimizers
-from gstrain.train.strategy import Densifier, FastStatsStrategy
+from gstrain.train.strategies import build_strategy
+from gstrain.train.strategies.default import FastStatsStrategy
 
 N = 1000
 
@@ -62,11 +63,11 @@ def test_fast_stats_equal_gsplat_on_cpu(absgrad):
     assert 0 < int((ours["count"] > 0).sum()) < N  # some counted, some not
 
 
-def test_densifier_picks_fast_stats_by_config():
-    on = Densifier(StrategyConfig(fast_stats=True), 1.0, torch.device("cpu"))
-    off = Densifier(StrategyConfig(fast_stats=False), 1.0, torch.device("cpu"))
-    assert type(on.strategy) is FastStatsStrategy
-    assert type(off.strategy) is DefaultStrategy
+def test_default_strategy_picks_fast_stats_by_config():
+    on = build_strategy(StrategyConfig(fast_stats=True), 1.0, torch.device("cpu"))
+    off = build_strategy(StrategyConfig(fast_stats=False), 1.0, torch.device("cpu"))
+    assert type(on.gsplat) is FastStatsStrategy
+    assert type(off.gsplat) is DefaultStrategy
 
 
 def test_fast_stats_defers_to_gsplat_for_radii_statistic():

@@ -1,16 +1,23 @@
-"""Densifier: gsplat's DefaultStrategy plus the opacity reset that gsplat 1.5.3 skips."""
+"""Strategies: the registry, gsplat's DefaultStrategy plus the opacity reset that gsplat 1.5.3
+skips, and MCMC's regularisers."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
-from gsplat.strategy import DefaultStrategy
+from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
 
-from gstrain.config import OptimConfig, StrategyConfig
+from gstrain.config import STRATEGIES, OptimConfig, StrategyConfig, build_config
+from gstrain.errors import UserError
 from gstrain.train.optim import build_optimizers
-from gstrain.train.strategy import Densifier, gsplat_skips_opacity_reset
+from gstrain.train.strategies import build_strategy, strategy_class
+from gstrain.train.strategies.base import Strategy
+from gstrain.train.strategies.default import DefaultStrategy, gsplat_skips_opacity_reset
+from gstrain.train.strategies.mcmc import McmcStrategy
+from gstrain.train.strategies.registry import REGISTRY
 
 N = 16
 # no growing or pruning before step 10,000, so only the reset can touch the opacities
@@ -42,14 +49,14 @@ def render_info() -> dict:
     return {"means2d": means2d, "radii": radii, "width": 64, "height": 48, "n_cameras": 1, "gaussian_ids": None}
 
 
-def step_at(densifier: Densifier, params, optimizers, step: int) -> None:
-    densifier.post_backward(params, optimizers, step, render_info(), means_lr=1e-4)
+def step_at(strategy: Strategy, params, optimizers, step: int) -> bool:
+    return strategy.step_post_backward(params, optimizers, step, render_info(), means_lr=1e-4)
 
 
 @pytest.mark.parametrize("fast_stats", [True, False])
 def test_opacities_reset_on_schedule(fast_stats):
     cfg = StrategyConfig(fast_stats=fast_stats, **QUIET)
-    densifier = Densifier(cfg, scene_extent=1.0, device=torch.device("cpu"))
+    densifier = build_strategy(cfg, scene_extent=1.0, device=torch.device("cpu"))
     params, optimizers = make_model()
     before = params["opacities"].detach().clone()
 
@@ -72,7 +79,7 @@ def test_opacities_reset_on_schedule(fast_stats):
 
 def test_no_reset_from_refine_stop_on():
     cfg = StrategyConfig(refine_start=10_000, refine_stop=6000, reset_every=3000)
-    densifier = Densifier(cfg, scene_extent=1.0, device=torch.device("cpu"))
+    densifier = build_strategy(cfg, scene_extent=1.0, device=torch.device("cpu"))
     params, optimizers = make_model()
     before = params["opacities"].detach().clone()
     for step in (6000, 9000):
@@ -83,10 +90,74 @@ def test_no_reset_from_refine_stop_on():
 
 def test_detection_matches_what_gsplat_does():
     """gstrain resets only where the installed gsplat does not: never twice, never not at all."""
-    strategy = DefaultStrategy(refine_start_iter=10_000, refine_stop_iter=20_000, reset_every=3000)
+    strategy = GsplatDefaultStrategy(refine_start_iter=10_000, refine_stop_iter=20_000, reset_every=3000)
     state = strategy.initialize_state(scene_scale=1.0)
     params, optimizers = make_model()
     before = params["opacities"].detach().clone()
     strategy.step_post_backward(params, optimizers, state, 3000, render_info(), packed=False)
     gsplat_reset = not torch.equal(params["opacities"], before)
     assert gsplat_reset is not gsplat_skips_opacity_reset()
+
+
+def test_detection_follows_a_fixed_gsplat(monkeypatch):
+    """The behaviour check reads what gsplat does, not its version: the installed code's own
+    typo (read from its source here, as an independent witness) decides, and a gsplat whose
+    step_post_backward resets (as 1.5.2 and main do) is detected as not skipping."""
+    typo = "== 0 & step > 0" in inspect.getsource(GsplatDefaultStrategy.step_post_backward)
+    gsplat_skips_opacity_reset.cache_clear()
+    assert gsplat_skips_opacity_reset() is typo
+
+    from gsplat.strategy.ops import reset_opa
+
+    original = GsplatDefaultStrategy.step_post_backward
+
+    def fixed(self, params, optimizers, state, step, info, packed=False):
+        original(self, params, optimizers, state, step, info, packed=packed)
+        if typo and step % self.reset_every == 0 and step > 0:  # the condition as upstream fixed it
+            reset_opa(params=params, optimizers=optimizers, state=state, value=self.prune_opa * 2.0)
+
+    monkeypatch.setattr(GsplatDefaultStrategy, "step_post_backward", fixed)
+    gsplat_skips_opacity_reset.cache_clear()
+    try:
+        assert gsplat_skips_opacity_reset() is False
+    finally:
+        gsplat_skips_opacity_reset.cache_clear()
+
+
+def test_registry_names_are_the_config_choices_and_build_their_classes():
+    assert STRATEGIES == tuple(REGISTRY) == ("default", "mcmc")
+    assert strategy_class("default") is DefaultStrategy and strategy_class("mcmc") is McmcStrategy
+    with pytest.raises(UserError, match="strategy.name must be one of default, mcmc; got 'nope'"):
+        strategy_class("nope")
+    with pytest.raises(UserError, match="strategy.name must be one of"):
+        build_config(overrides=[{"strategy": {"name": "nope"}}])
+
+
+def test_one_registry_line_adds_a_strategy(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "twin", "default:DefaultStrategy")
+    strategy = build_strategy(StrategyConfig(name="twin"), 1.0, torch.device("cpu"))
+    assert isinstance(strategy, DefaultStrategy)
+
+
+def test_refines_at_follows_gsplat_schedule():
+    strategy = build_strategy(StrategyConfig(refine_start=500, refine_stop=1500, refine_every=100), 1.0,
+                              torch.device("cpu"))  # fmt: skip
+    # gsplat refines when step > start, step % every == 0 and step < stop
+    assert [s for s in range(0, 2001, 100) if strategy.refines_at(s)] == list(range(600, 1500, 100))
+    params, optimizers = make_model()
+    assert step_at(strategy, params, optimizers, 600) is True
+    assert step_at(strategy, params, optimizers, 650) is False
+
+
+def test_default_has_no_loss_term_and_mcmc_needs_cuda():
+    params, _ = make_model()
+    assert build_strategy(StrategyConfig(), 1.0, torch.device("cpu")).loss_term(params) is None
+    with pytest.raises(UserError, match="mcmc needs a CUDA GPU"):
+        build_strategy(StrategyConfig(name="mcmc"), 1.0, torch.device("cpu"))
+
+
+def test_mcmc_loss_term_is_gsplats_regularisers():
+    params, _ = make_model()
+    strategy = McmcStrategy.__new__(McmcStrategy)  # no gsplat state needed for the loss term
+    want = 0.01 * (1 / (1 + torch.exp(-params["opacities"].detach()))).mean() + 0.01 * params["scales"].detach().exp().mean()
+    assert torch.allclose(strategy.loss_term(params).detach(), want)

@@ -110,7 +110,7 @@ def test_checkpoints_and_timer_leave_training_unchanged(scene, tmp_path):
     for key in plain.params:
         assert torch.equal(plain.params[key], busy.params[key]), key
     for key in ("grad2d", "count"):
-        a, b = plain.densifier.state.get(key), busy.densifier.state.get(key)
+        a, b = plain.strategy.state.get(key), busy.strategy.state.get(key)
         assert (a is None and b is None) or torch.equal(a, b), key
 
 
