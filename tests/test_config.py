@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from gstrain.config import Config, build_config, config_from_dict, parse_override, save_config
+from gstrain.config import Config, build_config, config_from_dict, parse_override
 from gstrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +87,7 @@ def test_saved_config_with_atomic_mode_gsplat_loads_as_backend_gsplat(tmp_path):
 
     run = tmp_path / "run"
     create_run_dir(run, tmp_path, Config())
-    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("atomic_mode: arc", "atomic_mode: gsplat"))
+    saved = run / "config.yaml"
+    saved.write_text(saved.read_text().replace("atomic_mode: arc", "atomic_mode: gsplat"))
     loaded, _ = load_run(run)
     assert (loaded.render.backend, loaded.render.atomic_mode) == ("gsplat", "arc")

@@ -13,9 +13,9 @@ from torch import Tensor
 
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
+from gstrain.metrics import ssim_conv
 from gstrain.train import fused_ssim as fused_mod
 from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim
-from gstrain.metrics import ssim_conv
 from gstrain.train.losses import photometric_loss, training_loss_for
 from gstrain.train.trainer import Trainer
 

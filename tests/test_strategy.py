@@ -159,5 +159,6 @@ def test_default_has_no_loss_term_and_mcmc_needs_cuda():
 def test_mcmc_loss_term_is_gsplats_regularisers():
     params, _ = make_model()
     strategy = McmcStrategy.__new__(McmcStrategy)  # no gsplat state needed for the loss term
-    want = 0.01 * (1 / (1 + torch.exp(-params["opacities"].detach()))).mean() + 0.01 * params["scales"].detach().exp().mean()
+    opacity = 1 / (1 + torch.exp(-params["opacities"].detach()))
+    want = 0.01 * opacity.mean() + 0.01 * params["scales"].detach().exp().mean()
     assert torch.allclose(strategy.loss_term(params).detach(), want)
