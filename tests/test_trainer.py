@@ -72,6 +72,16 @@ def test_sh_degree_schedule(scene, tmp_path):
     assert degrees == [0, 0, 1, 1, 1]
 
 
+def test_sh_degree_at_is_the_one_schedule():
+    """One more degree every `interval` steps, capped by the config and by what is stored."""
+    from gstrain.render.sh import sh_degree_at
+
+    assert [sh_degree_at(s, 100, 3) for s in (0, 99, 100, 199, 200, 300, 10_000)] == [0, 0, 1, 1, 2, 3, 3]
+    assert [sh_degree_at(s, 100, 3, stored=1) for s in (0, 150, 300)] == [0, 1, 1]
+    assert sh_degree_at(0, 0, 2) == 2  # no schedule: the full degree from the start
+    assert sh_degree_at(50, 10, 0) == 0
+
+
 def test_training_reduces_loss(scene, tmp_path):
     trainer = make_trainer(scene, tmp_path / "run")
     losses = []

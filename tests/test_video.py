@@ -11,20 +11,12 @@ import pytest
 import torch
 from cli_util import assert_user_error, run_cli
 
+from gstrain.camera_paths import camera_path, focus_point, orbit_frame, parse_size, scale_camera
 from gstrain.config import RenderConfig
 from gstrain.data.colmap import load_scene
 from gstrain.errors import UserError
 from gstrain.render import Renderer
-from gstrain.video import (
-    camera_path,
-    colorize_depth,
-    colormap,
-    depth_range,
-    focus_point,
-    orbit_frame,
-    parse_size,
-    scale_camera,
-)
+from gstrain.video import colorize_depth, colormap, depth_range
 
 
 @pytest.fixture(scope="module")
