@@ -630,3 +630,19 @@ def test_fitting_colours_and_opacities_reduces_loss() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.3 * losses[0], losses[::10]
+
+
+def test_renderer_picks_backend_and_carries_one_options_object():
+    from gstrain.config import RenderConfig
+    from gstrain.errors import UserError
+    from gstrain.render import Renderer
+    from gstrain.render.common import RasterOptions
+
+    cpu = torch.device("cpu")
+    renderer = Renderer(RenderConfig(atomic_mode="distwar", atomic_threshold=5), cpu, absgrad=True)
+    assert renderer.backend == "reference" and renderer.atomic_threshold is None
+    assert renderer.options == RasterOptions(absgrad=True, atomic_mode="distwar", atomic_threshold=5)
+    if not torch.cuda.is_available():
+        for backend in ("cuda", "gsplat"):
+            with pytest.raises(UserError, match=f"render.backend={backend} needs a CUDA GPU"):
+                Renderer(RenderConfig(backend=backend), cpu)

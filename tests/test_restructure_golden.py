@@ -4,9 +4,8 @@ tests/data/restructure_golden_step200.pt holds the six parameter tensors after 2
 configs/demo.yaml on the generated demo scene (16 views, 64x64, seed 0), written by this file's
 `__main__` at commit 37732cb, before the restructure. The run is shortened and its schedules
 squeezed so that 200 steps cover random initialisation (1500 points, to keep the file small),
- densification (refines at steps 100 and 150), one opacity
-reset (step 150) and a raised SH degree (step 100). Any change to the numbers of the training
-path on the CPU shows up here as a mismatch.
+densification (refines at steps 100 and 150), one opacity reset (step 150) and a raised SH
+degree (step 100). Any change to the numbers of the training path on the CPU shows up here.
 
 Regenerate only on purpose: OMP_NUM_THREADS=1 python tests/test_restructure_golden.py
 """

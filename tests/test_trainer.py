@@ -148,3 +148,24 @@ def test_summary_scores_each_view(scene, tmp_path, train_views):
     assert list(scored["views_psnr"]) == [v.name for v in scene.train]
     assert scored["min_psnr"] == min(scored["views_psnr"].values()) < scored["psnr"]
     assert sum(scored["views_psnr"].values()) / len(scene.train) == pytest.approx(scored["psnr"], abs=1e-3)
+
+
+def test_run_record_keeps_the_fields_studies_read(scene, tmp_path):
+    """train_summary.json comes from one function (run_record.write_run_record) with the field
+    names bench scripts read; per-phase means cover the timed windows."""
+    trainer = make_trainer(scene, tmp_path / "run", steps=10)
+    trainer.cfg.log.tb_every = 5
+    trainer.cfg.log.time_every = 1
+    result = trainer.fit()
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    for key in ("status", "steps", "first_step", "seconds", "num_gaussians", "max_gaussians", "initial_test_psnr",
+                "final_test_psnr", "final_test_ssim", "test_history", "final_test_views_psnr", "final_train_views",
+                "backend", "atomic_mode", "atomic_threshold", "phase_ms_per_step", "host_ms_per_step",
+                "wall_ms_per_step", "peak_gpu_memory_gib", "checkpoint"):
+        assert key in summary, key
+    assert (summary["status"], summary["steps"], summary["first_step"]) == ("done", 10, 0)
+    assert (summary["backend"], summary["atomic_mode"], summary["atomic_threshold"]) == ("reference", None, None)
+    assert summary["num_gaussians"] == result.num_gaussians == len(trainer.params["means"])
+    assert summary["final_test_psnr"] == pytest.approx(result.final_test_psnr)
+    assert {"forward", "loss", "backward", "optimizer", "densify"} <= set(summary["phase_ms_per_step"])
+    assert all(v > 0 for v in summary["phase_ms_per_step"].values())
