@@ -53,3 +53,15 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.state = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+class GsplatStrategy(Strategy):
+    """A strategy that drives one of gsplat's (self.gsplat), with its state in self.state."""
+
+    gsplat: Any
+
+    def check(self, params: Params, optimizers: Optimizers) -> None:
+        self.gsplat.check_sanity(params, optimizers)
+
+    def step_pre_backward(self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any]) -> None:
+        self.gsplat.step_pre_backward(params, optimizers, self.state, step, info)

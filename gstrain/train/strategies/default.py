@@ -12,7 +12,7 @@ from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
 from gsplat.strategy.ops import reset_opa
 
 from gstrain.config import StrategyConfig
-from gstrain.train.strategies.base import Optimizers, Params, Strategy
+from gstrain.train.strategies.base import GsplatStrategy, Optimizers, Params
 
 
 class _ResetProbe(GsplatDefaultStrategy):
@@ -83,7 +83,7 @@ class FastStatsStrategy(GsplatDefaultStrategy):
         return None
 
 
-class DefaultStrategy(Strategy):
+class DefaultStrategy(GsplatStrategy):
     """gsplat's DefaultStrategy (FastStatsStrategy unless strategy.fast_stats=false) and its state."""
 
     def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
@@ -101,12 +101,6 @@ class DefaultStrategy(Strategy):
             absgrad=cfg.absgrad,
         )
         self.state = self.gsplat.initialize_state(scene_scale=scene_extent)
-
-    def check(self, params: Params, optimizers: Optimizers) -> None:
-        self.gsplat.check_sanity(params, optimizers)
-
-    def step_pre_backward(self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any]) -> None:
-        self.gsplat.step_pre_backward(params, optimizers, self.state, step, info)
 
     def step_post_backward(
         self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any], means_lr: float

@@ -10,13 +10,13 @@ from gsplat.strategy import MCMCStrategy
 
 from gstrain.config import StrategyConfig
 from gstrain.errors import UserError
-from gstrain.train.strategies.base import Optimizers, Params, Strategy
+from gstrain.train.strategies.base import GsplatStrategy, Optimizers, Params
 
 OPACITY_REG = 0.01  # gsplat's recommended weights of the two L1 regularisers
 SCALE_REG = 0.01
 
 
-class McmcStrategy(Strategy):
+class McmcStrategy(GsplatStrategy):
     def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
         super().__init__(cfg, scene_extent, device)
         if device.type != "cuda":
@@ -28,12 +28,6 @@ class McmcStrategy(Strategy):
             refine_every=cfg.refine_every,
         )
         self.state = self.gsplat.initialize_state()
-
-    def check(self, params: Params, optimizers: Optimizers) -> None:
-        self.gsplat.check_sanity(params, optimizers)
-
-    def step_pre_backward(self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any]) -> None:
-        self.gsplat.step_pre_backward(params, optimizers, self.state, step, info)
 
     def step_post_backward(
         self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any], means_lr: float
