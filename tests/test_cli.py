@@ -74,7 +74,7 @@ def test_empty_point_cloud(scene_copy, tmp_path):
         (["--set", "train.stepz=3"], "unknown config key 'train.stepz'"),
         (["--steps", "abc"], "steps"),
         (["--device", "tpu"], "train.device"),
-        (["--atomic-mode", "fastest"], "atomic_mode"),
+        (["--atomic-mode", "fastest"], "--atomic-mode must be one of atomic, warp, distwar, arc"),
         (["--atomic-mode", "gsplat"], "--atomic-mode gsplat is no longer an atomic mode: gsplat's rasterizer is a "
                                       "backend, use --backend gsplat"),
         (["--set", "render.atomic_mode=gsplat"], "use render.backend=gsplat"),
@@ -264,5 +264,5 @@ def test_profile_bad_flags(demo_scene):
     assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "fast"), "--atomic-mode must be one of")
     assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "arc,gsplat"), "use --backend gsplat")
     assert_user_error(run_cli("profile", demo_scene, "--backend", "vulkan"), "--backend must be one of")
-    assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer mode")
+    assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer")
     assert_user_error(run_cli("profile", demo_scene, "--iters", "0"), "--iters must be >= 1")

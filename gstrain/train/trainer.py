@@ -27,6 +27,7 @@ from gstrain.train.optim import build_means_scheduler, build_optimizers, current
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.step import StepRunner
 from gstrain.train.strategies import build_strategy
+from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer
 
 __all__ = ["FitResult", "Trainer", "ViewSampler", "seed_everything"]
