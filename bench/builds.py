@@ -35,7 +35,7 @@ def build_all(only: Iterable[str] | None = None, gsplat: bool = False) -> dict[s
     unknown = sorted(set(names) - set(GSTRAIN_EXTENSIONS))
     if unknown:
         raise ValueError(f"unknown extension(s) {unknown}; known: {list(GSTRAIN_EXTENSIONS)}")
-    builders = _builders()
+    builders = _builders() if names else {}
     built = {name: builders[name]() for name in names}
     if gsplat:
         from gsplat.cuda._backend import _C  # the import itself builds (or loads) gsplat's module
