@@ -1,5 +1,5 @@
 # Sourced from the repository root at the start of a GPU-machine call (the device tool):
-#   source bench/gpu_env.sh
+#   source bench/gpu_env.sh            (then the commands), or: bash bench/gpu_env.sh CMD ARGS...
 # Installs the carried wheels (.whl/: gsplat 1.5.3, pycolmap) into /tmp/site, sets the paths,
 # starts the CUDA MPS daemon (so that several quality runs, bench_train --jobs K, overlap their
 # kernels), and builds gsplat's and gstrain's CUDA extensions once, side by side (bench/builds.py). A gsplat
@@ -27,3 +27,5 @@ tail -n 2 "$logs/build_gsplat.log" "$logs/build_gstrain.log"
 if [ -f build/ext/gsplat_cuda/gsplat_cuda.so ] && [ ! -f /tmp/gsplat_saved ] && [ -n "${OUT:-}" ]; then
     gzip -c build/ext/gsplat_cuda/gsplat_cuda.so > "$OUT/gsplat_cuda.so.gz" && touch /tmp/gsplat_saved
 fi
+# Run as a program (`bash bench/gpu_env.sh CMD ...`) its exports reach no later command, so it runs CMD here.
+if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then exec "$@"; fi
