@@ -25,4 +25,4 @@ test: setup
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check gstrain tests scripts
+	$(VENV)/bin/ruff check gstrain tests bench

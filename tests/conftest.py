@@ -14,7 +14,7 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_tests.sh on a GPU machine)")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run bench/gpu_tests.sh on a GPU machine)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)

@@ -3,7 +3,7 @@
 Every atomic mode (and both gradient layouts) must give the reference's image, alpha and
 gradients within float32 tolerance; the modes must agree with each other; render_cuda must
 match render_reference end to end and work under gsplat's DefaultStrategy. Timings are never
-asserted here (scripts/bench_raster.py measures them).
+asserted here (bench/bench_raster.py measures them).
 """
 
 from __future__ import annotations

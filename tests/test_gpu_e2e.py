@@ -1,4 +1,4 @@
-"""End-to-end on the GPU: `gstrain fit` / `eval` / `profile` on our kernels (run by scripts/gpu_tests.sh)."""
+"""End-to-end on the GPU: `gstrain fit` / `eval` / `profile` on our kernels (run by bench/gpu_tests.sh)."""
 
 from __future__ import annotations
 

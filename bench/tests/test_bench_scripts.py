@@ -3,20 +3,11 @@ memory_step's replay."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench import bench_report, bench_train, memory_step, step_divergence
 
 
 def fake_run(mode: str, seed: int, seconds: float, psnr: float, gib: float) -> dict:
@@ -29,7 +20,6 @@ def fake_run(mode: str, seed: int, seconds: float, psnr: float, gib: float) -> d
 
 
 def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
-    bench = load_script("bench_report")
     first, second = tmp_path / "c1", tmp_path / "c2"
     first.mkdir()
     second.mkdir()
@@ -40,9 +30,9 @@ def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
     # the same seed again in a later folder: listed, but not part of the medians
     (second / "gstrain_seed0.json").write_text(json.dumps(fake_run("gstrain", 0, 1000.0, 5.0, 9.0)))
 
-    counted, repeats = bench.load_runs([first, second])
+    counted, repeats = bench_report.load_runs([first, second])
     assert len(counted) == 6 and [(r["mode"], r["seed"]) for r in repeats] == [("gstrain", 0)]
-    bench.report(counted, repeats)
+    bench_report.report(counted, repeats)
     out = capsys.readouterr().out
     # medians: time 100 / 240, PSNR 20.95 vs 21.0 (-0.05 dB), memory 0.8 vs 1.0 GiB
     assert "gstrain: time 0.417x (met for <= 0.5x), test PSNR -0.05 dB (met for >= -0.1 dB), " \
@@ -56,30 +46,29 @@ def test_bench_train_report_medians_targets_and_repeats(tmp_path, capsys):
 
     # a worse seed 0 moves the medians past both bars
     (first / "gstrain_seed0.json").write_text(json.dumps(fake_run("gstrain", 0, 125.0, 20.5, 1.2)))
-    bench.report(*bench.load_runs([first]))
+    bench_report.report(*bench_report.load_runs([first]))
     assert "gstrain: time 0.521x (not met for <= 0.5x), test PSNR -0.50 dB (not met for >= -0.1 dB), " \
            "peak memory 0.950 vs 1.000 GiB (met)" in capsys.readouterr().out
 
     # only seeds 1 and 2: time 110 / 250, PSNR 21.0 vs 21.0, memory 0.825 vs 1.0
-    counted, repeats = bench.load_runs([first, second], seeds=[1, 2])
+    counted, repeats = bench_report.load_runs([first, second], seeds=[1, 2])
     assert sorted({r["seed"] for r in counted}) == [1, 2] and repeats == []
-    bench.report(counted, repeats)
+    bench_report.report(counted, repeats)
     assert "gstrain: time 0.440x (met for <= 0.5x), test PSNR +0.00 dB (met for >= -0.1 dB), " \
            "peak memory 0.825 vs 1.000 GiB (met)" in capsys.readouterr().out
 
 
 def test_bench_train_scatter_test_and_train_views(tmp_path, capsys):
-    bench = load_script("bench_report")
     narrow = [21.0, 21.1, 20.9, 21.05, 20.95, 21.0]
     wide = [22.5, 19.5, 21.0, 23.0, 19.0, 21.5]
-    assert bench.scatter_test(wide, narrow, resamples=4000) < 0.05
-    assert bench.scatter_test(narrow, wide, resamples=4000) > 0.9
-    assert load_script("bench_train").parse_seeds("0-3,9") == [0, 1, 2, 3, 9]
+    assert bench_report.scatter_test(wide, narrow, resamples=4000) < 0.05
+    assert bench_report.scatter_test(narrow, wide, resamples=4000) > 0.9
+    assert bench_train.parse_seeds("0-3,9") == [0, 1, 2, 3, 9]
 
     runs = [fake_run("baseline", s, 200.0, v, 1.0) for s, v in enumerate(narrow)]
     runs += [fake_run("gstrain", s, 90.0, v, 0.8) for s, v in enumerate(wide)]
     runs[-1].update(final_train_views={"psnr": 38.5, "min_psnr": 18.25}, concurrent_jobs=4)
-    bench.report(runs)
+    bench_report.report(runs)
     out = capsys.readouterr().out
     assert "| gstrain, 5 (GPU shared by 4) | 90.0 | 3.00 | 22.50 → 21.50 | 38.50 (18.25) |" in out  # mean (worst)
     assert "runs made with --jobs 4 shared the GPU" in out
@@ -88,7 +77,6 @@ def test_bench_train_scatter_test_and_train_views(tmp_path, capsys):
 
 
 def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_path, capsys):
-    bench = load_script("bench_report")
     solo, shared, old = tmp_path / "solo", tmp_path / "shared", tmp_path / "old"
     for d in (solo, shared, old):
         d.mkdir()
@@ -102,13 +90,13 @@ def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_p
     # an older folder whose gstrain runs came from other code: only its baseline runs are read
     (old / "baseline_seed2.json").write_text(json.dumps(fake_run("baseline", 2, 210.0, 22.0, 1.0)))
     (old / "gstrain_seed3.json").write_text(json.dumps(fake_run("gstrain", 3, 10.0, 5.0, 1.0)))
-    assert bench.parse_source(f"{old}:baseline") == (old, {"baseline"})
-    assert bench.parse_source(str(old)) == (old, None)
+    assert bench_report.parse_source(f"{old}:baseline") == (old, {"baseline"})
+    assert bench_report.parse_source(str(old)) == (old, None)
 
-    counted, repeats = bench.load_runs([solo, shared, f"{old}:baseline"])
+    counted, repeats = bench_report.load_runs([solo, shared, f"{old}:baseline"])
     assert sorted((r["mode"], r["seed"]) for r in counted) == [
         ("baseline", 0), ("baseline", 1), ("baseline", 2), ("gstrain", 0), ("gstrain", 1), ("gstrain", 2)]
-    bench.report(counted, repeats)
+    bench_report.report(counted, repeats)
     out = capsys.readouterr().out
     # times only from the runs that had the GPU alone: 80 / median(200, 210) = 0.390, not 900 s
     assert "| baseline | 0,1,2 | 205.0 (200.0–210.0) |" in out
@@ -121,11 +109,11 @@ def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_p
     assert float(line.split("p = ")[1].split()[0]) > 0.9
 
     # with no solo run of a pipeline there is no time ratio
-    bench.report(*bench.load_runs([shared]))
+    bench_report.report(*bench_report.load_runs([shared]))
     assert "gstrain: time: no runs that had the GPU alone, test PSNR" in capsys.readouterr().out
 
     # against another pipeline: the same figures, without the issue's verdicts
-    bench.report(counted, repeats, reference="gstrain")
+    bench_report.report(counted, repeats, reference="gstrain")
     out = capsys.readouterr().out
     assert "figures (medians against gstrain's):" in out
     assert "- baseline: time 2.562x, test PSNR +0.00 dB, peak memory 1.000 vs 1.000 GiB\n" in out
@@ -133,14 +121,12 @@ def test_bench_train_shared_runs_time_nothing_and_folders_filter_pipelines(tmp_p
 
 
 def test_bench_train_location_test_separates_shifted_samples():
-    bench = load_script("bench_report")
     base = [21.0, 21.2, 20.8, 21.1, 20.9, 21.0]
-    assert bench.location_test([x - 1.0 for x in base], base, resamples=4000) < 0.01
-    assert bench.location_test(base, list(reversed(base)), resamples=4000) > 0.99
+    assert bench_report.location_test([x - 1.0 for x in base], base, resamples=4000) < 0.01
+    assert bench_report.location_test(base, list(reversed(base)), resamples=4000) > 0.99
 
 
 def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tmp_path, capsys):
-    bench = load_script("bench_report")
     base = [21.0, 21.4, 20.6, 21.2, 20.8, 21.0]
     runs = []
     for seed, value in enumerate(base):
@@ -150,7 +136,7 @@ def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tm
             run.update(status="stopped", steps=7000, concurrent_jobs=8,
                        test_history=[{"step": 0, "psnr": 8.0, "ssim": 0.1}, {"step": 7000, "psnr": psnr, "ssim": 0.9}])
             runs.append(run)
-    bench.report(runs)
+    bench_report.report(runs)
     out = capsys.readouterr().out
     assert "figures (medians against baseline's, runs paused at step 7000):" in out
     assert "- gstrain: time: no runs that had the GPU alone, test PSNR -1.00 dB, peak memory" in out
@@ -167,14 +153,13 @@ def test_bench_train_runs_paused_early_get_figures_at_their_step_not_verdicts(tm
 
 
 def test_bench_train_per_view_table(capsys):
-    bench = load_script("bench_report")
     runs = []
     for seed, (a, b) in enumerate([(20.0, 25.0), (22.0, 25.0), (24.0, 25.0)]):
         for mode, shift in (("baseline", 0.0), ("gstrain", 1.0)):
             run = fake_run(mode, seed, 50.0, 21.0, 1.0)
             run["final_test_views_psnr"] = {"0008.jpg": a + shift, "0000.jpg": b}
             runs.append(run)
-    bench.report(runs)
+    bench_report.report(runs)
     out = capsys.readouterr().out
     assert "| view | baseline | gstrain |" in out
     assert "| 0000.jpg | 25.0 (0.0) | 25.0 (0.0) |" in out  # sorted by view name
@@ -182,7 +167,6 @@ def test_bench_train_per_view_table(capsys):
 
 
 def test_memory_step_replay_counts_frees_of_older_blocks():
-    memory = load_script("memory_step")
     ours = [{"filename": "/usr/lib/torch/autograd.py", "line": 1, "name": "apply"},
             {"filename": "/repo/gstrain/train/step.py", "line": 75, "name": "run"}]
     other = [{"filename": "/repo/gstrain/render/cuda.py", "line": 271, "name": "splat_colors"}]
@@ -195,7 +179,7 @@ def test_memory_step_replay_counts_frees_of_older_blocks():
         {"action": "free_completed", "addr": 1, "size": 100},
         {"action": "alloc", "addr": 3, "size": 20, "frames": other},
     ]
-    peak, groups = memory.peak_blocks(trace)
+    peak, groups = memory_step.peak_blocks(trace)
     assert peak == 100  # 100 at the first alloc; then 100 - 60 + 30 = 70, then 70 - 100 + 20
     # the innermost frame of ours names the block, not torch's own frame
     assert groups == {"/repo/gstrain/train/step.py:75 run": 100}
@@ -204,11 +188,10 @@ def test_memory_step_replay_counts_frees_of_older_blocks():
 def test_step_divergence_floor_is_zero_on_cpu_and_a_real_change_shows(demo_scene, monkeypatch, capsys):
     # On the CPU the reference renderer is deterministic, so a pipeline paired with itself does
     # not drift at all; a pipeline whose arithmetic differs (another SSIM weight) drifts from step 1.
-    script = load_script("step_divergence")
-    monkeypatch.setattr(script, "PIPELINES", {"plain": [], "ssim-half": ["--set", "train.ssim_lambda=0.5"]})
-    results = dict(script.main([str(demo_scene), "--device", "cpu", "--warmup", "4", "--steps", "1,3",
-                                "--pairs", "plain:plain,plain:ssim-half", "--warmup-pipeline", "plain",
-                                "--set", "model.sh_degree=1"]))
+    monkeypatch.setattr(step_divergence, "PIPELINES", {"plain": [], "ssim-half": ["--set", "train.ssim_lambda=0.5"]})
+    results = dict(step_divergence.main([str(demo_scene), "--device", "cpu", "--warmup", "4", "--steps", "1,3",
+                                         "--pairs", "plain:plain,plain:ssim-half", "--warmup-pipeline", "plain",
+                                         "--set", "model.sh_degree=1"]))
     same, changed = results["plain:plain"], results["plain:ssim-half"]
     assert same["stopped"] is None and changed["stopped"] is None
     assert same["loss"] == 0.0 and all(r["params"] == 0.0 and r["stats"] == 0.0 for r in same["at"].values())
@@ -227,7 +210,6 @@ def forked_run(mode: str, seed: int, psnr: float, twin: int = 0) -> dict:
 
 
 def test_bench_train_forked_runs_are_compared_fork_by_fork(tmp_path, capsys):
-    bench = load_script("bench_report")
     # forks that land far apart (SD 1.5 dB), gstrain 0.3 dB above the baseline on every one
     baseline = [19.0, 23.0, 21.0, 18.5, 22.5, 20.0]
     noise = [0.05, -0.05, 0.1, -0.1, 0.0, 0.02]
@@ -237,9 +219,9 @@ def test_bench_train_forked_runs_are_compared_fork_by_fork(tmp_path, capsys):
         for run in runs:
             name = f"{run['mode']}{'_twin1' if run['twin'] else ''}_seed{seed}"
             (tmp_path / f"{name}.json").write_text(json.dumps(run))
-    counted, repeats = bench.load_runs([tmp_path])
+    counted, repeats = bench_report.load_runs([tmp_path])
     assert len(counted) == 12 and len(repeats) == 6 and all(r["twin"] == 1 for r in repeats)
-    bench.report(counted, repeats)
+    bench_report.report(counted, repeats)
     out = capsys.readouterr().out
     # no verdicts for forked runs, no time figure from their partial legs, no shared 7k sample
     assert "figures (medians against baseline's, runs forked at step 7000 from gstrain's checkpoint):" in out
@@ -259,18 +241,18 @@ def test_bench_train_forked_runs_are_compared_fork_by_fork(tmp_path, capsys):
     assert "SD of the difference 0.14 dB (mean -0.01); correlation of the two 1.00" in twins
 
     # no pairs without a shared fork: the same runs from two folders do not pair across them
-    assert bench.paired_differences(counted, "gstrain", "baseline") == pytest.approx([0.35, 0.25, 0.4, 0.2, 0.3, 0.32])
-    assert bench.sign_flip_p([0.3, -0.3, 0.2, -0.2], resamples=4000) > 0.9
+    assert bench_report.paired_differences(counted, "gstrain", "baseline") == pytest.approx(
+        [0.35, 0.25, 0.4, 0.2, 0.3, 0.32])
+    assert bench_report.sign_flip_p([0.3, -0.3, 0.2, -0.2], resamples=4000) > 0.9
 
 
 def test_bench_train_forks_on_the_cpu(demo_scene, tmp_path, capsys):
     """Every pipeline resumes its own copy of one trunk checkpoint; on the CPU (one deterministic
     renderer, the switches being GPU-only) all continuations must land on the same figures."""
-    bench = load_script("bench_train")
     out = tmp_path / "bt"
-    bench.main([str(demo_scene), "--steps", "6", "--fork-at", "3", "--seeds", "0", "--device", "cpu",
-                "--pipelines", "baseline,gstrain,gstrain", "--jobs", "2", "--out", str(out),
-                "--extra", "--set log.eval_steps=[3,6] --set log.progress_every=1"])  # fmt: skip
+    bench_train.main([str(demo_scene), "--steps", "6", "--fork-at", "3", "--seeds", "0", "--device", "cpu",
+                      "--pipelines", "baseline,gstrain,gstrain", "--jobs", "2", "--out", str(out),
+                      "--extra", "--set log.eval_steps=[3,6] --set log.progress_every=1"])  # fmt: skip
     trunk = json.loads((out / "trunks" / "seed0.json").read_text())
     assert trunk["status"] == "stopped" and trunk["steps"] == 3 and trunk["mode"] == "gstrain"
     finals = []
@@ -292,12 +274,11 @@ def test_bench_train_forks_on_the_cpu(demo_scene, tmp_path, capsys):
 def test_bench_train_forks_on_the_gpu(demo_scene, tmp_path, capsys):
     """On the GPU each continuation must run with its own pipeline's switches: the baseline resumes
     a gstrain checkpoint on gsplat's rasterizer, torch Adam and gsplat's statistics."""
-    bench = load_script("bench_train")
     out = tmp_path / "bt"
-    bench.main([str(demo_scene), "--steps", "300", "--fork-at", "150", "--seeds", "0", "--device", "cuda",
-                "--pipelines", "baseline,gstrain,gstrain", "--jobs", "3", "--out", str(out),
-                "--extra", "--set strategy.refine_start=50 --set strategy.refine_every=50 "
-                           "--set log.eval_steps=[150,300]"])  # fmt: skip
+    bench_train.main([str(demo_scene), "--steps", "300", "--fork-at", "150", "--seeds", "0", "--device", "cuda",
+                      "--pipelines", "baseline,gstrain,gstrain", "--jobs", "3", "--out", str(out),
+                      "--extra", "--set strategy.refine_start=50 --set strategy.refine_every=50 "
+                                 "--set log.eval_steps=[150,300]"])  # fmt: skip
     trunk = json.loads((out / "trunks" / "seed0.json").read_text())
     assert trunk["status"] == "stopped" and trunk["steps"] == 150 and trunk["atomic_mode"] == "arc"
     for name, mode in (("baseline_seed0", "gsplat"), ("gstrain_seed0", "arc"), ("gstrain_twin1_seed0", "arc")):
@@ -308,3 +289,18 @@ def test_bench_train_forks_on_the_gpu(demo_scene, tmp_path, capsys):
         switch = "false" if name.startswith("baseline") else "true"
         assert all(f"{key}: {switch}" in config for key in ("fused_adam", "fused_ssim", "fast_stats"))
     assert "paired over" not in capsys.readouterr().out  # one fork: no paired statistics yet
+
+
+def test_builds_without_cuda_is_one_line(capsys):
+    """build_all() goes through gstrain's own builders; where they cannot build, the CLI says so in one line."""
+    import torch
+
+    from bench import builds
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine can build the extensions")
+    with pytest.raises(ValueError, match="unknown extension"):
+        builds.build_all(["raster", "nope"])
+    assert builds.main(["gstrain"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench.builds: error: ") and "CUDA" in err[0]

@@ -1,6 +1,6 @@
 """Where a training step's host and GPU time go, op by op: torch.profiler over gstrain's own step.
 
-    python3 scripts/trace_step.py SCENE_OR_RUN [--steps 20] [--warmup 30] [--set section.key=value ...]
+    python -m bench.trace_step SCENE_OR_RUN [--steps 20] [--warmup 30] [--set section.key=value ...]
 
 Loads the workload as `gstrain profile` does (a scene's SfM points or a run's last checkpoint),
 warms up, then profiles `--steps` steps and prints the ops with the most host (self CPU) time and

@@ -4,8 +4,8 @@ Images [H,W,3] float32 on the GPU (a render that needs a gradient, a fixed groun
 720x1280 and 1080x1920 by default. Each repetition is one forward and one backward, timed with
 CUDA events after warm-up; the table gives the median of the repetitions and conv / fused.
 
-    python3 scripts/bench_ssim.py [--reps 50] [--warmup 10] [--sizes 720x1280 1080x1920]
-    python3 scripts/bench_ssim.py --sanitize-case   # one small fwd+bwd, for compute-sanitizer
+    python -m bench.bench_ssim [--reps 50] [--warmup 10] [--sizes 720x1280 1080x1920]
+    python -m bench.bench_ssim --sanitize-case   # one small fwd+bwd, for compute-sanitizer
 
 Prints a markdown table; writes JSON to $OUT/bench_ssim.json (or --json).
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.builds import build_all
+from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim
+from gstrain.train.losses import ssim_conv
 
-from gstrain.train.fused_ssim import ensure_built, fused_photometric_loss, fused_ssim  # noqa: E402
-from gstrain.train.losses import ssim_conv  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SsimFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -109,7 +109,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_ssim: needs a CUDA GPU", file=sys.stderr)
         return 2
-    ensure_built()  # compile outside any timing
+    build_all(["ssim"])  # compile outside any timing
     if args.sanitize_case:
         sanitize_case()
         return 0

@@ -1,7 +1,7 @@
 """A tiny forward + backward of every atomic mode, for compute-sanitizer (memcheck, racecheck).
 
-Run by scripts/gpu_tests.sh as
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py
+Run by bench/gpu_tests.sh as
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 -m bench.sanitize_case
 (no caching allocator, so an access past a tensor's end leaves its own allocation and is seen).
 Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
 channel counts that take the direct (3), padded (5) and chunked (40) paths.
@@ -65,8 +65,8 @@ def main() -> int:
 def step_kernels_case(gen: torch.Generator) -> int:
     """The training-step kernels: multi-tensor Adam (dense, sparse, more tensors than one launch
     takes) and the densification statistics, on sizes that end mid-block."""
+    from bench.builds import build_all
     from gstrain.train.fused_adam import FusedAdam
-    from gstrain.train.step_ops import ensure_built
 
     n = 1037
     shapes = [(n, 3), (n, 3), (n, 4), (n,), (n, 1, 3), (n, 15, 3), (n, 2), (n, 5), (n, 1)]  # 9 > 8 per launch
@@ -81,7 +81,7 @@ def step_kernels_case(gen: torch.Generator) -> int:
     grad = torch.randn(n, 2, generator=gen).cuda()
     radii = torch.randint(0, 3, (n, 2), generator=gen, dtype=torch.int32).cuda()
     grad2d, count = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
-    ensure_built().grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count)
+    build_all(["step_ops"])["step_ops"].grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count)
     torch.cuda.synchronize()
     if not all(torch.isfinite(p).all() for p in params) or not torch.isfinite(grad2d).all():
         print("sanitize case: non-finite values from the step kernels")

@@ -2,7 +2,7 @@
 seed): medians and spread per pipeline, every run, per-phase time, per-held-out-view PSNR, the
 issue's targets against the baseline, and permutation and bootstrap tests of the seed noise.
 
-    python3 scripts/bench_train.py --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2] [--reference P]
+    python -m bench.bench_train --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2] [--reference P]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ parameters and densification statistics drift. Float atomics alone make two runs
 pipeline drift; so pair each pipeline with itself too, for the floor. A switch that changes the
 arithmetic shows a gap far above that floor from the first step on.
 
-    python3 scripts/step_divergence.py SCENE --warmup 7001 --steps 1,10,99 \\
+    python -m bench.step_divergence SCENE --warmup 7001 --steps 1,10,99 \\
         --pairs gstrain:gstrain,gstrain:baseline,gstrain:gsplat-raster,gstrain:conv-ssim
 
 The comparison window should lie between two densification steps, so both copies keep the same
@@ -19,27 +19,13 @@ counts differ. Pipelines are bench_train.py's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-
-def _pipelines() -> dict[str, list[str]]:
-    spec = importlib.util.spec_from_file_location("bench_train", REPO / "scripts" / "bench_train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.PIPELINES
-
-
-PIPELINES = _pipelines()
+from bench.bench_train import PIPELINES
 
 
 def overrides_from_flags(flags: list[str]) -> list[dict[str, Any]]:

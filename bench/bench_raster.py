@@ -7,7 +7,7 @@ at 1296x840 and 2592x1680 (Ks[:, :2] x2 / x4). Inputs are frozen (projected and 
 each backward call is timed with CUDA events after warm-up, median of the repetitions. Each call
 allocates and zeroes its gradient outputs, ours and gsplat's alike.
 
-    python3 scripts/bench_raster.py [--data PATH] [--reps 25]
+    python -m bench.bench_raster [--data PATH] [--reps 25]
 
 Prints markdown tables and ratios; writes JSON to $OUT/bench_raster.json (or --json).
 """
@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.builds import build_all
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 THRESHOLDS = (1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32)
 
@@ -263,10 +264,8 @@ def main() -> int:
     import gsplat
     from gsplat.cuda._wrapper import _make_lazy_cuda_func  # gsplat's raw kernels: the peer
 
-    from gstrain.render.cuda import ensure_built
-
     t0 = time.time()
-    ext = ensure_built()
+    ext = build_all(["raster"])["raster"]
     data_path = find_data(args.data)
     data = dict(np.load(data_path))
     layouts = [x for x in args.layouts.split(",") if x]
@@ -289,7 +288,7 @@ def main() -> int:
         "cuda": torch.version.cuda,
         "gsplat": gsplat.__version__,
         "commit": git_commit(),
-        "command": "python3 scripts/bench_raster.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.bench_raster " + " ".join(sys.argv[1:]),
         "data": str(data_path.name),
         "reps": args.reps,
     }

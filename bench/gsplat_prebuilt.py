@@ -5,7 +5,7 @@ fails (about 75 s on an H200). Copy a `gsplat_cuda.so` built earlier on the same
 `$TORCH_EXTENSIONS_DIR/gsplat_cuda/gsplat_cuda.so` after a first use) beside gsplat's
 `__init__.py`, and this file over gsplat/csrc.py; gsplat then loads the prebuilt module:
 
-    cp build/ext/gsplat_cuda/gsplat_cuda.so "$SITE/gsplat/" && cp scripts/gsplat_prebuilt.py "$SITE/gsplat/csrc.py"
+    cp build/ext/gsplat_cuda/gsplat_cuda.so "$SITE/gsplat/" && cp bench/gsplat_prebuilt.py "$SITE/gsplat/csrc.py"
 """
 
 import importlib.machinery

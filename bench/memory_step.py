@@ -2,7 +2,7 @@
 own step, replayed to the moment of most memory, with the live blocks grouped by where they were
 allocated.
 
-    python3 scripts/memory_step.py TARGET [--scale 2] [--switches] [--set section.key=value ...]
+    python -m bench.memory_step TARGET [--scale 2] [--switches] [--set section.key=value ...]
 
 TARGET is what `gstrain profile` takes (a scene, a run, a test_garden-style .npz). Two steps are
 recorded: a plain one and one where gsplat's DefaultStrategy grows and prunes. What lives across
@@ -31,7 +31,7 @@ def where(frames: list[dict[str, Any]]) -> str:
     """The innermost frame in gstrain, gsplat or a script, else torch's own: file:line function."""
     for frame in frames:
         name = frame.get("filename", "")
-        if any(part in name for part in ("gstrain/", "gsplat/", "scripts/")):
+        if any(part in name for part in ("gstrain/", "gsplat/", "bench/")):
             short = name.split("site-packages/")[-1]
             return f"{short}:{frame.get('line')} {frame.get('name')}"
     return f"{frames[0].get('filename')}:{frames[0].get('line')}" if frames else "?"

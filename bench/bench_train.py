@@ -10,15 +10,15 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
   gsplat-raster, conv-ssim, torch-adam, gsplat-stats   gstrain with that one feature off
   sparse-adam   gstrain plus Adam over the visible Gaussians only
 
-    python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
-    python3 scripts/bench_train.py --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2]
+    python -m bench.bench_train SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
+    python -m bench.bench_train --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2]
         (the tables again, from the per-run JSONs; only those seeds' runs with --seeds, only
         pipelines P1 and P2 from a DIR:P1+P2; speed figures only from runs that had the GPU alone)
-    python3 scripts/bench_train.py SCENE --steps 7000 --seeds 0-7 --pipelines gstrain,conv-ssim --jobs 4
+    python -m bench.bench_train SCENE --steps 7000 --seeds 0-7 --pipelines gstrain,conv-ssim --jobs 4
         (quality only: several runs share the GPU at once, so their times are not speed figures)
-    python3 scripts/bench_train.py SCENE --steps 30000 --extra "--set train.stop_at=7000" ...
+    python -m bench.bench_train SCENE --steps 30000 --extra "--set train.stop_at=7000" ...
         (the 7k point of 30k runs, at a quarter of their cost: the schedules still span 30k)
-    python3 scripts/bench_train.py SCENE --steps 30000 --fork-at 7000 --pipelines baseline,gstrain,gstrain ...
+    python -m bench.bench_train SCENE --steps 30000 --fork-at 7000 --pipelines baseline,gstrain,gstrain ...
         (paired runs: for each seed, gstrain (--fork-from) trains to step 7000 and pauses; each
         pipeline then resumes its own copy of that checkpoint to step 30000. Every pipeline starts
         its last 23k steps from the same state, so the seed-to-seed noise of the first 7k cancels
@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
-from bench_report import load_runs, report, split_repeats  # noqa: E402
+from bench.bench_report import load_runs, report, split_repeats
+from bench.builds import build_all
 
 # Every speed switch off, and checkpoints only at the end as gsplat's example trainer does.
 BASELINE = ["--atomic-mode", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
@@ -128,17 +128,6 @@ def run_branch(scene: Path, mode: str, twin: int, seed: int, trunk: dict, out: P
     return save_run(out, name, summary)
 
 
-def build_extensions() -> None:
-    """Compile (or load from the cache) gstrain's CUDA extensions in this process."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from gstrain.render.cuda import ensure_built as raster
-    from gstrain.train.fused_ssim import ensure_built as ssim
-    from gstrain.train.step_ops import ensure_built as step_ops
-
-    for build in (raster, ssim, step_ops):
-        build()
-
-
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
@@ -209,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     commit = args.commit or git_commit()
     extra = args.extra.split()
     if args.jobs > 1 and args.device == "cuda":
-        build_extensions()  # here, once: parallel first builds would race on the cache
+        build_all()  # here, once: parallel first builds would race on the cache
 
     def show(r: dict) -> dict:
         print(f"{r['mode']}{' twin' if r.get('twin') else ''} seed {r['seed']}: {r['seconds']:.1f}s train loop, "
