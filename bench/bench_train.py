@@ -44,13 +44,13 @@ from bench.bench_report import load_runs, report, split_repeats
 from bench.builds import build_all
 
 # Every speed switch off, and checkpoints only at the end as gsplat's example trainer does.
-BASELINE = ["--atomic-mode", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
+BASELINE = ["--backend", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
             "--set", "strategy.fast_stats=false", "--set", "log.ckpt_every=0"]
 PIPELINES = {
     "baseline": BASELINE,
     "gstrain": ["--atomic-mode", "arc"],  # the defaults: every switch on, checkpoints every 1000 steps
     # one switch off at a time: what each feature buys end to end
-    "gsplat-raster": ["--atomic-mode", "gsplat"],
+    "gsplat-raster": ["--backend", "gsplat"],
     "conv-ssim": ["--set", "train.fused_ssim=false"],
     "torch-adam": ["--set", "optim.fused_adam=false"],
     "gsplat-stats": ["--set", "strategy.fast_stats=false"],

@@ -29,15 +29,15 @@ from bench.bench_train import PIPELINES
 
 
 def overrides_from_flags(flags: list[str]) -> list[dict[str, Any]]:
-    """bench_train's fit flags (--atomic-mode X, --set k=v) as config overrides."""
+    """bench_train's fit flags (--backend X, --atomic-mode X, --set k=v) as config overrides."""
     from gstrain.config import parse_override
 
     out: list[dict[str, Any]] = []
     it = iter(flags)
     for flag in it:
         value = next(it)
-        if flag == "--atomic-mode":
-            out.append({"render": {"atomic_mode": value}})
+        if flag in ("--atomic-mode", "--backend"):
+            out.append({"render": {flag[2:].replace("-", "_"): value}})
         elif flag == "--set":
             out.append(parse_override(value))
         else:
