@@ -94,40 +94,44 @@ def render_sharded(
     if n_batch:
         means2d = torch.stack([p.means2d for p in projs])
         radii = torch.stack([p.radii for p in projs])
+        conics = torch.stack([p.conics for p in projs])
+        depths = torch.stack([p.depths for p in projs])
     else:
-        means2d = means.new_zeros(0, n_own, 2)
-        radii = torch.zeros(0, n_own, 2, dtype=torch.int32)
+        means2d, conics, depths = means.new_zeros(0, n_own, 2), means.new_zeros(0, n_own, 3), means.new_zeros(0, n_own)
+        radii = torch.zeros(0, n_own, 2, dtype=torch.int32, device=means.device)
     send_order = sorted(range(n_batch), key=lambda i: (int(batch.homes[i]), i))
-    rows, metas, counts = [], [], []
-    for i in send_order:
-        vis = torch.nonzero((radii[i] > 0).all(-1)).squeeze(1)
-        p = projs[i]
-        cam = camera_centre(batch.viewmats[i].to(means))
-        mv = means.index_select(0, vis)
-        colors = sh_to_color(sh.index_select(0, vis), mv - cam, sh_degree)
-        rows.append(torch.cat([means2d[i].index_select(0, vis), p.conics.index_select(0, vis),
-                               opac_all.index_select(0, vis)[:, None], colors], 1))  # fmt: skip
-        depth_bits = p.depths.detach().index_select(0, vis).float().view(META_DTYPE)
-        metas.append(torch.cat([depth_bits[:, None], radii[i].index_select(0, vis).to(META_DTYPE)], 1))
-        counts.append(vis.numel())
-    payload = torch.cat(rows) if rows else means.new_zeros(0, N_DIFF)
-    meta = torch.cat(metas) if metas else torch.zeros(0, 3, dtype=META_DTYPE)
+    order_t = torch.tensor(send_order, dtype=torch.int64, device=means.device)
+    # one nonzero over [views in send order, Gaussians]: records view by view, ascending local index
+    pos, li = torch.nonzero((radii.index_select(0, order_t) > 0).all(-1), as_tuple=True)
+    vi = order_t.index_select(0, pos)
+    counts = torch.bincount(pos, minlength=n_batch)
+    cams = torch.stack([camera_centre(batch.viewmats[i].to(means)) for i in range(n_batch)]) if n_batch else None
+    if li.numel():
+        colors = sh_to_color(sh.index_select(0, li), means.index_select(0, li) - cams.index_select(0, vi), sh_degree)
+        payload = torch.cat([means2d[vi, li], conics[vi, li], opac_all.index_select(0, li)[:, None], colors], 1)
+        depth_bits = depths.detach()[vi, li].float().view(META_DTYPE)
+        meta = torch.cat([depth_bits[:, None], radii[vi, li].to(META_DTYPE)], 1)
+    else:
+        payload = means.new_zeros(0, N_DIFF)
+        meta = torch.zeros(0, 3, dtype=META_DTYPE, device=means.device)
 
-    # ---- counts, then records, to the renderers
+    # ---- counts, then records, to the renderers (the uneven split needs the counts on the host)
     views_of = [[i for i in range(n_batch) if int(batch.homes[i]) == r] for r in range(world)]
     mine = views_of[rank]
     per_dest = [len(v) for v in views_of]
-    got = exchange_counts(torch.tensor(counts, dtype=torch.int64), per_dest, [len(mine)] * world, counter, group)
+    got = exchange_counts(counts, per_dest, [len(mine)] * world, counter, group)
     got = got.view(world, len(mine))  # [source, my view]
+    got_host = got.tolist()
     send_splits = [0] * world
-    for i, c in zip(send_order, counts, strict=True):
+    for i, c in zip(send_order, counts.tolist(), strict=True):
         send_splits[int(batch.homes[i])] += c
-    recv, recv_meta, _ = exchange(payload, send_splits, got.sum(1).tolist(), meta, compress, counter, group)
+    recv_splits = [sum(row) for row in got_host]
+    recv, recv_meta, _ = exchange(payload, send_splits, recv_splits, meta, compress, counter, group)
 
     # ---- renderer: regroup rows view by view (source order kept), rasterize
-    view_of_row = torch.repeat_interleave(torch.arange(len(mine)).repeat(world), got.flatten())
+    view_of_row = torch.repeat_interleave(torch.arange(len(mine), device=got.device).repeat(world), got.flatten())
     perm = torch.argsort(view_of_row, stable=True)
-    per_view = got.sum(0).tolist()
+    per_view = [sum(col) for col in zip(*got_host, strict=True)] if mine else []
     recs = recv.index_select(0, perm).split(per_view)
     rmeta = recv_meta.index_select(0, perm).split(per_view)
     images, alphas = [], []
@@ -139,8 +143,6 @@ def render_sharded(
         images.append(img)
         alphas.append(alpha)
 
-    depths = torch.stack([p.depths for p in projs]) if n_batch else means.new_zeros(0, n_own)
-    conics = torch.stack([p.conics for p in projs]) if n_batch else means.new_zeros(0, n_own, 3)
     info = strategy_info(means2d, radii, depths, conics, batch.widths, batch.heights)
     info["n_cameras"] = n_batch
     return ShardedRender(views=mine, images=images, alphas=alphas, owner_info=info, zero_term=recv[:0].sum())
