@@ -68,10 +68,6 @@ def _all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: dist.Pr
     return out
 
 
-def _row_bytes(x: Tensor) -> int:
-    return x[:1].numel() * x.element_size() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod()) * x.element_size()
-
-
 def exchange_counts(
     counts: Tensor,
     send_groups: list[int],
@@ -143,7 +139,9 @@ def exchange(
     if meta is not None and (meta.dim() != 2 or meta.shape[0] != payload.shape[0]):
         raise ValueError(f"meta must be [{payload.shape[0]}, m], got {list(meta.shape)}")
     if recv_splits is None:
-        recv_splits = exchange_counts(torch.tensor(send_splits), [1] * world, [1] * world, counter, group).tolist()
+        ones = [1] * world
+        sizes = torch.tensor(send_splits, device=payload.device)
+        recv_splits = exchange_counts(sizes, ones, ones, counter, group).tolist()
     wire_dtype(payload.dtype, compress)  # validates compress
     if world == 1 and compress == "none":
         # nothing leaves the process: no copy, so W=1 is the plain single-process graph
