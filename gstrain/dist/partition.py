@@ -6,13 +6,12 @@
 - Partitions give owner[i] in [0, W): `locality` (contiguous Morton ranges of equal load, load =
   number of views touching a Gaussian), `random` (a seeded permutation cut into equal counts,
   Grendel's scheme after its rebalance) and `round_robin` (i % W, gsplat's scheme).
-- View homes: each view goes to the rank that owns most of what it sees, at most ceil(V/W) views
-  per rank, so that every rank renders about as many views (greedy on the largest counts first).
+- View homes: each view goes to the rank that owns most of what it sees, with floor(V/W) or
+  ceil(V/W) views per rank, so that every rank renders as many views (greedy, largest counts first).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,25 +162,27 @@ def view_owner_counts(profile: AccessProfile, owner: Tensor, world: int) -> Tens
     return torch.bincount(key, minlength=profile.n_views * world).view(profile.n_views, world)
 
 
-def assign_homes(counts: Tensor, capacity: int | None = None) -> Tensor:
+def assign_homes(counts: Tensor) -> Tensor:
     """homes [V]: each view's renderer rank. Greedy over (view, rank) pairs by decreasing count:
-    a view goes to the rank owning most of what it sees unless that rank already has `capacity`
-    views (default ceil(V/W)), then to its next best rank; so every rank gets <= capacity views.
+    a view goes to the rank owning most of what it sees unless that rank is full, then to its
+    next best rank. Every rank ends with floor(V/W) or ceil(V/W) views (V mod W ranks get the
+    extra one), so that each rank has views to render every step.
     """
     n_views, world = counts.shape
-    cap = capacity if capacity is not None else math.ceil(n_views / world)
-    if cap * world < n_views:
-        raise ValueError(f"capacity {cap} x {world} ranks cannot hold {n_views} views")
+    floor, extra = divmod(n_views, world)
     homes = [-1] * n_views
     taken = [0] * world
     left = n_views
     # pairs by count, largest first; ties: lower view, then lower rank (stable)
     for p in torch.argsort(counts.flatten(), descending=True, stable=True).tolist():
         v, r = divmod(p, world)
-        if homes[v] < 0 and taken[r] < cap:
-            homes[v] = r
-            taken[r] += 1
-            left -= 1
-            if left == 0:
-                break
+        if homes[v] >= 0 or taken[r] > floor or (taken[r] == floor and extra == 0):
+            continue
+        if taken[r] == floor:
+            extra -= 1  # this rank takes one of the V mod W extra views
+        homes[v] = r
+        taken[r] += 1
+        left -= 1
+        if left == 0:
+            break
     return torch.tensor(homes, dtype=torch.int64)
