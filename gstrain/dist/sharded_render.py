@@ -143,6 +143,9 @@ def render_sharded(
         images.append(img)
         alphas.append(alpha)
 
-    info = strategy_info(means2d, radii, depths, conics, batch.widths, batch.heights)
+    # gsplat's strategies scale gradients by one width/height: batches of one image size
+    width = int(batch.widths[0]) if n_batch else 0
+    height = int(batch.heights[0]) if n_batch else 0
+    info = strategy_info(means2d, radii, depths, conics, width, height)
     info["n_cameras"] = n_batch
     return ShardedRender(views=mine, images=images, alphas=alphas, owner_info=info, zero_term=recv[:0].sum())
