@@ -136,7 +136,9 @@ def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessP
     area_roof = torch.full_like(hgt, side * side)
     ground = (blocks * pitch) ** 2 - blocks * blocks * block * block
     areas = torch.cat([area_walls, area_roof, torch.tensor([ground])])
-    counts = torch.distributions.Multinomial(n, probs=areas / areas.sum()).sample().long()  # sums to n
+    # Gaussians per surface, proportional to its area; from g, so the scene is the same every run
+    counts = torch.bincount(torch.multinomial(areas / areas.sum(), n, replacement=True, generator=g),
+                            minlength=areas.numel())  # fmt: skip
     nb = blocks * blocks
     pts = []
     # walls: pick a side, a position along it, a height
