@@ -1,0 +1,276 @@
+"""Communication study with virtual ranks (issue 16): bytes per step per rank of the sharded
+render, for W = 2..128, partitions locality / round_robin / random, with and without fp16.
+
+No process group: the access profile (which Gaussians each view touches) and the partition give
+counts[v, r]; gstrain.dist.comm_model turns them into the exact bytes the real exchange would move
+(tests/test_dist_render.py checks the model against the counter of a real gloo exchange).
+Per step every rank renders b=1 view drawn from its home views (B = W); bytes scale with b.
+
+Scenes:
+  beer    COLMAP scene at full resolution, its SfM points as Gaussians (gstrain's init: kNN scales)
+  garden  test_garden.npz's 138k points; it holds only 3 cameras, so 157 more are placed on the ring
+          through them (same height and radius around the points' median, looking at it)
+  city    generated: >= 10M Gaussians on the walls, roofs and streets of a block city, cameras
+          walking the streets at eye height. Visibility is a cheap test, not a projection: centre
+          in front, inside the frustum widened by the Gaussian's 3-sigma radius, and nearer than
+          --far metres. The far limit stands in for occlusion (projection culls only by frustum,
+          so without it every camera down a street would "touch" the whole city behind walls).
+
+Usage: python bench/dist_comm.py [--scenes beer,garden,city] [--city-n 10000000] [--out bench/results/dist_comm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gstrain.dist.comm_model import expected_step_bytes
+from gstrain.dist.partition import (
+    PARTITIONS,
+    AccessProfile,
+    access_profile,
+    assign_homes,
+    make_partition,
+    view_owner_counts,
+)
+
+WORLDS = (2, 4, 8, 16, 32, 64, 128)
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# scenes -> (AccessProfile, means, description)
+
+
+def _profile_params(means: torch.Tensor, scales: torch.Tensor, viewmats, Ks, widths, heights) -> AccessProfile:
+    quats = torch.zeros(means.shape[0], 4)
+    quats[:, 0] = 1.0
+    return access_profile(means, quats, scales, viewmats, Ks, widths, heights, chunk=1 << 18)
+
+
+def scene_beer() -> tuple[AccessProfile, torch.Tensor, str]:
+    from gstrain.data.colmap import load_scene
+    from gstrain.model import init_gaussians
+
+    scene = load_scene(DATA / "beer", factor=1, test_every=0)
+    views = scene.train
+    g = init_gaussians(scene.points, scene.point_colors, sh_degree=0)
+    means, scales = g["means"].detach(), torch.exp(g["scales"].detach())
+    prof = _profile_params(means, scales, torch.stack([v.viewmat for v in views]), torch.stack([v.K for v in views]),
+                           [v.width for v in views], [v.height for v in views])  # fmt: skip
+    size = f"{views[0].width}x{views[0].height}"
+    desc = f"beer: {means.shape[0]} SfM points as Gaussians (kNN init), {len(views)} views {size}"
+    return prof, means, desc
+
+
+def _look_at(eye: np.ndarray, target: np.ndarray, up: np.ndarray) -> np.ndarray:
+    f = target - eye
+    f /= np.linalg.norm(f)
+    r = np.cross(f, up)
+    r /= np.linalg.norm(r)
+    d = np.cross(f, r)
+    rot = np.stack([r, d, f])
+    m = np.eye(4, dtype=np.float32)
+    m[:3, :3], m[:3, 3] = rot, -rot @ eye
+    return m
+
+
+def scene_garden(n_views: int = 160, dense: int = 1) -> tuple[AccessProfile, torch.Tensor, str]:
+    from gstrain.model import knn_rms_distance
+
+    d = np.load(DATA / "test_garden.npz")
+    pts = torch.from_numpy(d["means3d"]).float()
+    vm = d["viewmats"].astype(np.float64)
+    w, h = int(d["width"]), int(d["height"])
+    centres = np.stack([-m[:3, :3].T @ m[:3, 3] for m in vm])
+    up = -vm[:, 1, :3].mean(0)  # camera y points down
+    up /= np.linalg.norm(up)
+    target = pts.median(0).values.double().numpy()
+    rel = centres - target
+    height = float((rel @ up).mean())
+    radius = float(np.linalg.norm(rel - np.outer(rel @ up, up), axis=1).mean())
+    a = np.cross(up, [1.0, 0.0, 0.0]) if abs(up[0]) < 0.9 else np.cross(up, [0.0, 1.0, 0.0])
+    a /= np.linalg.norm(a)
+    b = np.cross(up, a)
+    extra = [_look_at(target + up * height + radius * (math.cos(t) * a + math.sin(t) * b), target, up)
+             for t in np.linspace(0, 2 * math.pi, n_views - len(vm), endpoint=False)]  # fmt: skip
+    viewmats = torch.from_numpy(np.concatenate([vm.astype(np.float32), np.stack(extra)]))
+    Ks = torch.from_numpy(d["Ks"][:1]).expand(len(viewmats), 3, 3)
+    scales = knn_rms_distance(pts)[:, None].repeat(1, 3)
+    means, label = pts, "initial"
+    if dense > 1:  # densified stand-in: each point split into `dense` children at half the size
+        g = torch.Generator().manual_seed(0)
+        means = (pts[:, None] + torch.randn(pts.shape[0], dense, 3, generator=g) * scales[:, None] * 0.5).reshape(-1, 3)
+        scales = (scales / 2).repeat_interleave(dense, 0)
+        label = f"dense x{dense}"
+    prof = _profile_params(means, scales, viewmats, Ks, [w] * len(viewmats), [h] * len(viewmats))
+    desc = f"garden {label}: {means.shape[0]} Gaussians, 3 given + {len(extra)} ring views {w}x{h}"
+    return prof, means, desc
+
+
+def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessProfile, torch.Tensor, str]:
+    """Blocks of buildings on a grid; Gaussians on walls, roofs and streets; cameras walk the streets."""
+    g = torch.Generator().manual_seed(seed)
+    blocks, block, street = 24, 40.0, 12.0
+    pitch = block + street
+    # one building per block, footprint inset, random height
+    ix, iy = torch.meshgrid(torch.arange(blocks), torch.arange(blocks), indexing="ij")
+    x0 = ix.flatten().float() * pitch + 2.0
+    y0 = iy.flatten().float() * pitch + 2.0
+    side = block - 4.0
+    hgt = 10 + torch.rand(blocks * blocks, generator=g) * 50
+    area_walls = 4 * side * hgt
+    area_roof = torch.full_like(hgt, side * side)
+    ground = (blocks * pitch) ** 2 - blocks * blocks * block * block
+    areas = torch.cat([area_walls, area_roof, torch.tensor([ground])])
+    # Gaussians per surface, proportional to its area; from g, so the scene is the same every run
+    counts = torch.bincount(torch.multinomial(areas / areas.sum(), n, replacement=True, generator=g),
+                            minlength=areas.numel())  # fmt: skip
+    nb = blocks * blocks
+    pts = []
+    # walls: pick a side, a position along it, a height
+    cw = counts[:nb]
+    b_id = torch.repeat_interleave(torch.arange(nb), cw)
+    m = b_id.numel()
+    s = torch.randint(0, 4, (m,), generator=g)
+    t = torch.rand(m, generator=g) * side
+    z = torch.rand(m, generator=g) * hgt[b_id]
+    bx, by = x0[b_id], y0[b_id]
+    wx = torch.where(s == 0, bx + t, torch.where(s == 1, bx + side, torch.where(s == 2, bx + side - t, bx)))
+    wy = torch.where(s == 0, by, torch.where(s == 1, by + t, torch.where(s == 2, by + side, by + side - t)))
+    pts.append(torch.stack([wx, wy, z], 1))
+    cr = counts[nb : 2 * nb]
+    b_id = torch.repeat_interleave(torch.arange(nb), cr)
+    u = torch.rand(b_id.numel(), 2, generator=g) * side
+    pts.append(torch.stack([x0[b_id] + u[:, 0], y0[b_id] + u[:, 1], hgt[b_id]], 1))
+    # streets: rows of the grid lines (x or y within a street band)
+    k = int(counts[-1])
+    along = torch.rand(k, generator=g) * blocks * pitch
+    across = torch.randint(0, blocks, (k,), generator=g).float() * pitch - street + 2.0
+    across += torch.rand(k, generator=g) * street
+    horiz = torch.rand(k, generator=g) < 0.5
+    pts.append(torch.stack([torch.where(horiz, along, across), torch.where(horiz, across, along), torch.zeros(k)], 1))
+    means = torch.cat(pts)
+    radius = torch.full((n,), math.sqrt(float(areas.sum()) / n) * 3.0)  # 3 sigma of a splat covering its share
+
+    # cameras: walk along street centre lines, alternating direction, eye height 1.7 m
+    cams = []
+    lines = torch.randperm(blocks, generator=g)[: max(1, n_views // 20)]
+    per_line = math.ceil(n_views / len(lines))
+    for j, line in enumerate(lines.tolist()):
+        c = line * pitch - street / 2
+        for q in range(per_line):
+            a = (q + 0.5) / per_line * blocks * pitch
+            horiz = j % 2 == 0
+            eye = np.array([a, c, 1.7]) if horiz else np.array([c, a, 1.7])
+            fwd = np.array([1.0, 0, 0]) if horiz else np.array([0, 1.0, 0])
+            cams.append(_look_at(eye, eye + fwd + np.array([0, 0, 0.05]), np.array([0, 0, 1.0])))
+    cams = cams[:n_views]
+    viewmats = torch.from_numpy(np.stack(cams))
+    w, h, f = 1280, 720, 640.0  # 90 degrees horizontal field of view
+    tx, ty = w / 2 / f, h / 2 / f
+
+    # visibility per view, in chunks of Gaussians
+    visible = []
+    for vmat in viewmats:
+        rot, tr = vmat[:3, :3], vmat[:3, 3]
+        ids = []
+        for st in range(0, n, 1 << 21):
+            pc = means[st : st + (1 << 21)] @ rot.T + tr
+            r = radius[st : st + (1 << 21)]
+            zc = pc[:, 2]
+            ok = (zc > 0.01) & (pc.norm(dim=1) < far)
+            ok &= pc[:, 0].abs() < tx * zc + r * math.hypot(1, tx)
+            ok &= pc[:, 1].abs() < ty * zc + r * math.hypot(1, ty)
+            ids.append(torch.nonzero(ok).squeeze(1) + st)
+        visible.append(torch.cat(ids))
+    prof = AccessProfile.from_lists(visible, n)
+    desc = (f"city: {n} Gaussians ({blocks}x{blocks} blocks), {len(cams)} street views {w}x{h}, "
+            f"frustum + {far:g} m visibility")  # fmt: skip
+    return prof, means, desc
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int, ...]) -> list[dict]:
+    load = prof.access_counts()
+    pairs = int(prof.ids.numel())
+    rows = []
+    for world in worlds:
+        for part in PARTITIONS:
+            owner = make_partition(part, means, load, world, seed=0)
+            counts = view_owner_counts(prof, owner, world)
+            homes = assign_homes(counts)
+            remote = int(counts.sum()) - int(counts[torch.arange(counts.shape[0]), homes].sum())
+            per_rank_load = torch.bincount(owner, weights=load.double(), minlength=world)
+            imbalance = float(per_rank_load.max() / per_rank_load.mean().clamp_min(1e-12))
+            row = {"scene": name, "world": world, "partition": part, "views": prof.n_views, "pairs": pairs,
+                   "remote_fraction": remote / max(pairs, 1),
+                   "load_max_over_mean": imbalance}  # fmt: skip
+            for comp in ("none", "fp16"):
+                sent, recv = expected_step_bytes(counts, homes, 1, torch.float32, comp)
+                row[f"bytes_mean_{comp}"] = float(sent.mean())
+                row[f"bytes_max_{comp}"] = float(torch.maximum(sent, recv).max())
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| scene | W | partition | MB/step/rank | fp16 | max rank MB | remote pairs | vs round robin |",
+           "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rr = {(r["scene"], r["world"]): r["bytes_mean_none"] for r in rows if r["partition"] == "round_robin"}
+    for r in rows:
+        ratio = r["bytes_mean_none"] / max(rr[(r["scene"], r["world"])], 1e-12)
+        out.append(f"| {r['scene']} | {r['world']} | {r['partition']} | {r['bytes_mean_none'] / 1e6:.3f} | "
+                   f"{r['bytes_mean_fp16'] / 1e6:.3f} | {r['bytes_max_none'] / 1e6:.3f} | "
+                   f"{r['remote_fraction']:.3f} | {ratio:.3f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenes", default="beer,garden,garden_dense,city")
+    ap.add_argument("--city-n", type=int, default=10_000_000)
+    ap.add_argument("--city-views", type=int, default=240)
+    ap.add_argument("--far", type=float, default=120.0)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dist_comm")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    out_dir = args.out / (commit or "unknown")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    makers = {
+        "beer": scene_beer,
+        "garden": scene_garden,
+        "garden_dense": lambda: scene_garden(dense=8),
+        "city": lambda: scene_city(args.city_n, args.city_views, args.far),
+    }
+    for name in args.scenes.split(","):
+        t0 = time.perf_counter()
+        prof, means, desc = makers[name]()
+        log(f"{desc}: profile {prof.ids.numel()} (view, Gaussian) pairs in {time.perf_counter() - t0:.0f} s")
+        rows = study(name, prof, means, WORLDS)
+        log(f"{name}: study done in {time.perf_counter() - t0:.0f} s")
+        doc = {"scene": name, "description": desc, "commit": commit, "command": " ".join(sys.argv),
+               "views_per_rank": 1, "rows": rows}  # fmt: skip
+        (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1))
+        print(f"\n{desc}\n\n{table(rows)}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The splat record one owner sends to a view's renderer: defined once, here.
+
+Both the real exchange (sharded_render) and the virtual-rank model (comm_model) take their sizes
+from this module, so the bytes the model predicts are the bytes the counter measures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# differentiable part, in this column order: means2d 2, conic 3, opacity 1, colour 3
+DIFF_COLUMNS = (("means2d", 2), ("conics", 3), ("opacities", 1), ("colors", 3))
+N_DIFF = sum(n for _, n in DIFF_COLUMNS)  # 9
+# forward-only part, packed as int32 words: depth (float32 bits) 1, radii 2
+META_COLUMNS = (("depth", 1), ("radii", 2))
+N_META = sum(n for _, n in META_COLUMNS)  # 3
+META_DTYPE = torch.int32
+COUNT_DTYPE = torch.int64  # per-view record counts, exchanged before the records
+COMPRESS = ("none", "fp16")
+
+
+def wire_dtype(dtype: torch.dtype, compress: str) -> torch.dtype:
+    """The dtype a float payload travels in."""
+    if compress not in COMPRESS:
+        raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
+    return torch.float16 if compress == "fp16" else dtype
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def forward_record_bytes(dtype: torch.dtype = torch.float32, compress: str = "none") -> int:
+    """Bytes one record costs on the wire in the forward: payload plus depth and radii."""
+    return N_DIFF * _size(wire_dtype(dtype, compress)) + N_META * _size(META_DTYPE)
+
+
+def backward_record_bytes(dtype: torch.dtype = torch.float32, compress: str = "none") -> int:
+    """Bytes one record's gradient costs on the wire in the backward."""
+    return N_DIFF * _size(wire_dtype(dtype, compress))
+
+
+def count_bytes() -> int:
+    """Bytes of one per-view record count."""
+    return _size(COUNT_DTYPE)

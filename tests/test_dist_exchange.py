@@ -1,0 +1,92 @@
+"""The record exchange over real gloo processes: forward and backward equal a plain gather."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gstrain.dist.exchange import CommCounter, exchange
+from gstrain.dist.local import run_local
+
+N, K = 57, 9
+
+
+def _data(dtype: torch.dtype, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, K, generator=g, dtype=torch.float64).to(dtype)
+    grad = torch.randn(N, K, generator=g, dtype=torch.float64).to(dtype)
+    owner = torch.randint(0, world, (N,), generator=g)
+    dest = torch.randint(0, world, (N,), generator=g)
+    dest[owner == 0] = world - 1  # rank 0 keeps none of its rows: an empty self-split
+    return x, grad, owner, dest
+
+
+CASES = [(torch.float32, "none"), (torch.float64, "none"), (torch.float32, "fp16")]
+
+
+def _worker(rank: int, world: int) -> list[dict]:
+    return [_one(rank, world, dtype, compress) for dtype, compress in CASES]
+
+
+def _one(rank: int, world: int, dtype: torch.dtype, compress: str) -> dict:
+    x, grad, owner, dest = _data(dtype, world)
+    mine = torch.nonzero(owner == rank).squeeze(1)
+    mine = mine[torch.argsort(dest[mine], stable=True)]  # rows grouped by destination
+    payload = x[mine].clone().requires_grad_(True)
+    meta = mine[:, None].to(torch.int64)  # global ids ride along as meta
+    send = torch.bincount(dest[mine], minlength=world).tolist()
+    counter = CommCounter()
+    out, out_meta, recv = exchange(payload, send, meta=meta, compress=compress, counter=counter)
+    ids = out_meta[:, 0]
+    (out * grad[ids]).sum().backward()
+    return {"out": out.detach(), "ids": ids, "recv": recv, "sent_ids": mine, "grad": payload.grad,
+            "counter": counter.records}
+
+
+def test_exchange_equals_gather() -> None:
+    world = 3
+    runs = run_local(_worker, world, timeout=30)  # one spawn for all cases: start-up dominates
+    for case, (dtype, compress) in enumerate(CASES):
+        _check(world, dtype, compress, [run[case] for run in runs])
+
+
+def _check(world: int, dtype: torch.dtype, compress: str, results: list[dict]) -> None:
+    x, grad, owner, dest = _data(dtype, world)
+    wire = (lambda t: t.half().to(dtype)) if compress == "fp16" else (lambda t: t)
+    for r, res in enumerate(results):
+        # rows arrive grouped by source rank, each source's rows in the order it sent them
+        expect_ids = torch.cat([res_s["sent_ids"][dest[res_s["sent_ids"]] == r] for res_s in results])
+        assert torch.equal(res["ids"], expect_ids)
+        assert torch.equal(res["out"], wire(x[expect_ids]))
+        assert res["recv"] == [int(((owner == s) & (dest == r)).sum()) for s in range(world)]
+        # backward: each sent row gets exactly the gradient its receiver applied to it
+        assert torch.equal(res["grad"], wire(grad[res["sent_ids"]]))
+        # bytes on the wire: rows that leave for another rank
+        fwd = [c for c in res["counter"] if c.op == "records_fwd"]
+        bwd = [c for c in res["counter"] if c.op == "records_bwd"]
+        payload_bytes = K * (2 if compress == "fp16" else x.element_size())
+        n_out = int(((owner == r) & (dest != r)).sum())
+        n_in = int(((owner != r) & (dest == r)).sum())
+        assert (fwd[0].sent, fwd[0].received) == (n_out * (payload_bytes + 8), n_in * (payload_bytes + 8))
+        assert (bwd[0].sent, bwd[0].received) == (n_in * payload_bytes, n_out * payload_bytes)
+
+
+def _failing(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one breaks")
+    torch.distributed.barrier()  # would wait forever for rank 1
+
+
+def test_worker_exception_fails_not_hangs() -> None:
+    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed first.*rank one breaks"):
+        run_local(_failing, 2, timeout=20)
+
+
+def test_single_process_is_identity() -> None:
+    x = torch.randn(5, K, requires_grad=True)
+    out, meta, recv = exchange(x, [5])
+    assert out is x and meta is None and recv == [5]
+    half, _, _ = exchange(x, [5], compress="fp16")
+    assert torch.equal(half, x.detach().half().float())
+    with pytest.raises(ValueError, match="compress"):
+        exchange(x, [5], compress="int8")
