@@ -163,22 +163,20 @@ def eval_(
 @app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
-    format: Annotated[str, typer.Option("--format", help="Export format: ply.")] = "ply",
+    format: Annotated[str, typer.Option("--format", help="Export format: ply | splat | ply-compressed.")] = "ply",
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
 ) -> None:
-    """Export the latest checkpoint's Gaussians as a viewer-compatible PLY."""
-    from gstrain.model import save_ply
+    """Export the latest checkpoint's Gaussians for viewers (3DGS PLY, .splat, compressed PLY)."""
+    from gstrain.formats import check_format, default_export_name, export_gaussians
     from gstrain.run_dir import load_run
     from gstrain.train.checkpoint import require_checkpoint
 
-    if format != "ply":
-        raise UserError(f"unsupported export format '{format}' (supported: ply)")
+    check_format(format)
     load_run(run)
     state = require_checkpoint(run)
-    path = out or run / "point_cloud" / f"iteration_{state['step']}" / "point_cloud.ply"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_ply(state["params"], path)
-    print(f"wrote {len(state['params']['means'])} Gaussians (step {state['step']}) to {path}")
+    path = out or run / "point_cloud" / f"iteration_{state['step']}" / default_export_name(format)
+    count = export_gaussians(state["params"], path, format)
+    print(f"wrote {count} Gaussians (step {state['step']}, {format}) to {path}")
 
 
 @app.command()
