@@ -180,6 +180,18 @@ def export(
 
 
 @app.command()
+def view(
+    run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
+    port: Annotated[int, typer.Option(help="Port of the web page.")] = 8080,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+) -> None:
+    """Show a trained run in the browser: Gaussians, cameras, scores, and our renderer's view."""
+    from gstrain.viewer.serve import serve_run
+
+    serve_run(run, host=host, port=port, log=_log)
+
+
+@app.command()
 def profile(
     target: Annotated[Path, typer.Argument(help="COLMAP scene, run folder, or test_garden-style .npz.")],
     atomic_mode: Annotated[
