@@ -79,6 +79,7 @@ def fit(
     ] = None,
     atomic_threshold: Annotated[int | None, typer.Option(help="distwar's lane threshold T (1..32).")] = None,
     set_: SetOpt = None,
+    viewer: Annotated[bool, typer.Option("--viewer", help="Watch it train in the browser (viewer.port, ...).")] = False,
 ) -> None:
     """Train Gaussians on a COLMAP scene; writes checkpoints, PLY, TensorBoard logs to the run folder."""
     from gstrain.config import build_config, merge_dict, parse_override, validate
@@ -121,12 +122,22 @@ def fit(
         f"gstrain: {len(loaded.train)} train / {len(loaded.test)} test views at {view.width}x{view.height}, "
         f"{len(loaded.points)} SfM points, device {dev}"
     )
+    live = None
+    if viewer:  # before the run folder exists: a busy port is bad input like any other
+        from gstrain.viewer.live import LiveViewer
+
+        live = LiveViewer(cfg, loaded, log=_log)
     if resume:
         update_run_config(run_dir, cfg)
     else:
         create_run_dir(run_dir, scene, cfg)
     trainer = Trainer(cfg, loaded, run_dir, dev, log=_log)
-    result = trainer.fit(resume=resume)
+    trainer.viewer = live
+    try:
+        result = trainer.fit(resume=resume)
+    finally:
+        if live is not None:
+            live.close()
     parts = [f"{result.status} at step {result.step} in {result.seconds:.1f}s", f"{result.num_gaussians} Gaussians"]
     if result.initial_test_psnr is not None:
         parts.append(f"test PSNR {result.initial_test_psnr:.2f} -> {result.final_test_psnr or float('nan'):.2f} dB")
