@@ -8,7 +8,9 @@ and not with them hidden (the empty scene).
 from __future__ import annotations
 
 import io
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -123,3 +125,55 @@ def test_view_bad_input(tmp_path, trained_run):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         assert_user_error(run_cli("view", trained_run, "--port", str(busy.getsockname()[1])), "cannot listen")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+def test_fit_viewer_pause_and_resume_in_chromium(trained_run, tmp_path):
+    """The page's pause button holds training between steps, and resume lets it go on."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip, dev extras)")
+    port = _free_port()
+    fit = subprocess.Popen(
+        [sys.executable, "-m", "gstrain", "fit", str(trained_run.parent / "scene"), "--out", str(tmp_path / "run"),
+         "--steps", "5000", "--device", "cpu", "--viewer", "--set", f"viewer.port={port}",
+         "--set", "viewer.refresh_every=2", "--set", "model.sh_degree=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    step_re = re.compile(r"^step (\d+)$")
+
+    def shown_step(page) -> int:
+        return int(step_re.match(page.get_by_text(step_re).first.inner_text().strip()).group(1))
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the fit loads the scene first, then opens the port
+            assert fit.poll() is None and time.monotonic() < deadline, fit.communicate()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.3)
+        with playwright.sync_playwright() as pw:
+            browser = pw.chromium.launch_persistent_context(
+                tmp_path / "profile", executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, viewport=VIEWPORT
+            )
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}")
+            page.get_by_text(step_re).first.wait_for(timeout=30_000)
+            page.get_by_role("button", name="Pause training").click()
+            page.get_by_role("button", name="Resume training").wait_for(timeout=10_000)
+            page.wait_for_timeout(1000)  # a refresh in flight may still land
+            paused_at = shown_step(page)
+            page.wait_for_timeout(2000)
+            assert shown_step(page) == paused_at, "training went on while paused"
+            page.get_by_role("button", name="Resume training").click()
+            page.wait_for_function(
+                f"() => /step (\\d+)/.exec(document.body.innerText) && "
+                f"+/step (\\d+)/.exec(document.body.innerText)[1] > {paused_at}", timeout=20_000,
+            )
+            page.screenshot(path=str(tmp_path / "live.png"))
+            browser.close()
+    finally:
+        fit.send_signal(signal.SIGINT)
+        fit.communicate(timeout=60)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / "live.png", ARTIFACTS / "viewer_live_chromium.png")

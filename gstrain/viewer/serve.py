@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import signal
 import socket
 import time
@@ -29,6 +30,9 @@ def start_server(host: str, port: int):
     """A viser server on exactly host:port, without viser's own banner."""
     check_port(host, port)
     import viser
+
+    # a stray non-HTTP connection (a port probe) is not worth a traceback on the user's terminal
+    logging.getLogger("websockets").setLevel(logging.CRITICAL)
 
     with contextlib.redirect_stdout(io.StringIO()):
         server = viser.ViserServer(host=host, port=port, verbose=False)
