@@ -106,6 +106,15 @@ def test_view_draws_the_scene_in_chromium(trained_run, tmp_path):
             page.screenshot(path=str(empty_path))
             empty = np.asarray(Image.open(empty_path))
             error_off = _object_error(empty, truth, mask)
+            # the "render" toggle: our own renderer's image of the browser's view, as the background
+            page.get_by_label("Render (gstrain)").check()
+            render_path = tmp_path / "render.png"
+            error_render = 1.0
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and error_render > 0.15:
+                page.wait_for_timeout(1000)
+                rendered = np.asarray(Image.open(io.BytesIO(page.screenshot(path=str(render_path)))))
+                error_render = _object_error(rendered, truth, mask)
             browser.close()
     finally:
         server.terminate()
@@ -113,9 +122,11 @@ def test_view_draws_the_scene_in_chromium(trained_run, tmp_path):
     ARTIFACTS.mkdir(exist_ok=True)
     shutil.copy(shot_path, ARTIFACTS / "viewer_chromium.png")
     shutil.copy(empty_path, ARTIFACTS / "viewer_chromium_empty.png")
+    shutil.copy(render_path, ARTIFACTS / "viewer_chromium_render_toggle.png")
     assert error_on < 0.15, f"the Gaussians do not show the object (error {error_on:.3f}); see {shot_path}"
     assert error_off > error_on + 0.2, (error_on, error_off)
     assert np.abs(shot.astype(int) - empty.astype(int)).mean() > 5
+    assert error_render < 0.15, f"the render toggle does not show our render (error {error_render:.3f})"
     assert server.returncode == 0 and err.strip().splitlines()[-1] == "gstrain: viewer stopped", err
 
 
