@@ -7,14 +7,13 @@ Every file is written to a temporary file beside the target and renamed into pla
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from gstrain.atomic_io import write_bytes_atomic
 from gstrain.errors import UserError
 
 FORMATS = ("ply", "splat", "ply-compressed")
@@ -31,20 +30,6 @@ def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
         raise UserError(f"unsupported export format '{fmt}' (supported: {' | '.join(FORMATS)})")
     return fmt
-
-
-def _write_atomic(data: bytes, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def export_gaussians(params: Mapping[str, Tensor], path: Path, fmt: str) -> int:
@@ -65,7 +50,7 @@ def export_gaussians(params: Mapping[str, Tensor], path: Path, fmt: str) -> int:
     data = export_splats(
         p["means"], p["scales"], p["quats"], p["opacities"], p["sh0"], p["shN"], format=_GSPLAT_NAMES[fmt]
     )
-    _write_atomic(data, path)
+    write_bytes_atomic(path, data)
     if fmt == "splat":
         return len(data) // 32
     finite = torch.stack([torch.isfinite(v.reshape(len(v), -1)).all(1) for v in p.values()]).all(0)
