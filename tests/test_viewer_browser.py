@@ -76,15 +76,60 @@ def _object_error(shot: np.ndarray, truth: np.ndarray, mask: np.ndarray) -> floa
     return float(np.abs(np.asarray(square, np.float64) / 255 - truth)[mask].mean())
 
 
+def _image(scene: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A view's image in [0,1] and its object mask (the demo's background is black)."""
+    truth = np.asarray(Image.open(scene / "images" / name).convert("RGB"), np.float64) / 255
+    mask = truth.max(axis=2) > 0.25
+    mask[[0, -1], :] = mask[:, [0, -1]] = False
+    assert mask.mean() > 0.2
+    return truth, mask
+
+
+def _settle(page, path: Path, truth: np.ndarray, mask: np.ndarray, limit: float = 30) -> tuple[np.ndarray, float]:
+    """Screenshots until the object shows (SwiftShader needs a few frames) or `limit` s pass; the last one."""
+    deadline, error = time.monotonic() + limit, 1.0
+    while time.monotonic() < deadline and error > 0.15:
+        page.wait_for_timeout(1000)
+        shot = np.asarray(Image.open(io.BytesIO(page.screenshot(path=str(path)))))
+        error = _object_error(shot, truth, mask)
+    return shot, error
+
+
+def _frustum_pixel(scene: Path, start: str) -> tuple[str, tuple[float, float]]:
+    """A training camera whose frustum image lies on the empty background of the start view, and
+    where that image's centre falls on the page (viser draws it ~2.4 frustum scales ahead of the camera)."""
+    from gstrain.data.colmap import load_scene
+
+    loaded = load_scene(scene)
+    views = loaded.train + loaded.test
+    centres = np.stack([-(v.viewmat[:3, :3].T @ v.viewmat[:3, 3]).double().numpy() for v in views])
+    size = 0.05 * np.linalg.norm(centres - centres.mean(0), axis=1).max()
+    ref = next(v for v in views if v.name == start)
+    vm = ref.viewmat.double().numpy()
+    h = VIEWPORT["height"]
+    f = float(ref.K[1, 1]) * h / ref.height
+    _truth, mask = _image(scene, start)
+    for v, c in zip(views, centres, strict=True):
+        if v.name == start:
+            continue
+        p = vm[:3, :3] @ (c + v.viewmat[2, :3].double().numpy() * 2.4 * size) + vm[:3, 3]
+        x, y = f * p[0] / p[2] + VIEWPORT["width"] / 2, f * p[1] / p[2] + h / 2
+        sq = (int((x - (VIEWPORT["width"] - h) / 2) * ref.width / h), int(y * ref.height / h))
+        if p[2] > 0 and 0 <= sq[0] < ref.width and 20 <= y < h - 20 and not mask[min(sq[1], ref.height - 1), sq[0]]:
+            return v.name, (x, y)
+    raise AssertionError("no training camera in view to click")
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
 def test_view_draws_the_scene_in_chromium(trained_run, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip, dev extras)")
-    truth = np.asarray(Image.open(trained_run.parent / "scene" / "images" / "000.png").convert("RGB"), np.float64) / 255
-    mask = truth.max(axis=2) > 0.25  # the lit sphere and disc; the demo's background is black
-    mask[[0, -1], :] = mask[:, [0, -1]] = False
-    assert mask.mean() > 0.2
+    scene = trained_run.parent / "scene"
+    truth, mask = _image(scene, "000.png")  # the first test view: where the page starts
+    clicked, pixel = _frustum_pixel(scene, "000.png")
+    truth_k, mask_k = _image(scene, clicked)
     port = _free_port()
     server = _start_view(trained_run, port)
+    paths = {k: tmp_path / f"{k}.png" for k in ("splats", "clicked", "empty", "render")}
     try:
         with playwright.sync_playwright() as pw:
             browser = pw.chromium.launch_persistent_context(  # a new, empty --user-data-dir
@@ -93,39 +138,28 @@ def test_view_draws_the_scene_in_chromium(trained_run, tmp_path):
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{port}")
             page.get_by_text("Gaussians", exact=False).first.wait_for(timeout=30_000)
-            shot_path = tmp_path / "view.png"
-            error_on = 1.0
-            deadline = time.monotonic() + 30  # SwiftShader needs a few frames to sort and draw the splats
-            while time.monotonic() < deadline and error_on > 0.15:
-                page.wait_for_timeout(1000)
-                shot = np.asarray(Image.open(io.BytesIO(page.screenshot(path=str(shot_path)))))
-                error_on = _object_error(shot, truth, mask)
+            shot, error_on = _settle(page, paths["splats"], truth, mask)
+            # clicking a camera's frustum flies the view there: the page then shows that camera's image
+            page.mouse.click(*pixel)
+            _, error_clicked = _settle(page, paths["clicked"], truth_k, mask_k, limit=15)
             page.get_by_label("Show Gaussians").uncheck()
             page.wait_for_timeout(2000)
-            empty_path = tmp_path / "empty.png"
-            page.screenshot(path=str(empty_path))
-            empty = np.asarray(Image.open(empty_path))
-            error_off = _object_error(empty, truth, mask)
+            empty = np.asarray(Image.open(io.BytesIO(page.screenshot(path=str(paths["empty"])))))
+            error_off = _object_error(empty, truth_k, mask_k)
             # the "render" toggle: our own renderer's image of the browser's view, as the background
             page.get_by_label("Render (gstrain)").check()
-            render_path = tmp_path / "render.png"
-            error_render = 1.0
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and error_render > 0.15:
-                page.wait_for_timeout(1000)
-                rendered = np.asarray(Image.open(io.BytesIO(page.screenshot(path=str(render_path)))))
-                error_render = _object_error(rendered, truth, mask)
+            _, error_render = _settle(page, paths["render"], truth_k, mask_k)
             browser.close()
     finally:
         server.terminate()
         _out, err = server.communicate(timeout=20)
     ARTIFACTS.mkdir(exist_ok=True)
-    shutil.copy(shot_path, ARTIFACTS / "viewer_chromium.png")
-    shutil.copy(empty_path, ARTIFACTS / "viewer_chromium_empty.png")
-    shutil.copy(render_path, ARTIFACTS / "viewer_chromium_render_toggle.png")
-    assert error_on < 0.15, f"the Gaussians do not show the object (error {error_on:.3f}); see {shot_path}"
-    assert error_off > error_on + 0.2, (error_on, error_off)
-    assert np.abs(shot.astype(int) - empty.astype(int)).mean() > 5
+    for name, path in paths.items():
+        if path.exists():
+            shutil.copy(path, ARTIFACTS / f"viewer_chromium_{name}.png")
+    assert error_on < 0.15, f"the Gaussians do not show the object (error {error_on:.3f}); see {paths['splats']}"
+    assert error_clicked < 0.15, f"clicking camera {clicked} did not move the view there ({error_clicked:.3f})"
+    assert error_off > error_clicked + 0.2, (error_clicked, error_off)
     assert error_render < 0.15, f"the render toggle does not show our render (error {error_render:.3f})"
     assert server.returncode == 0 and err.strip().splitlines()[-1] == "gstrain: viewer stopped", err
 
