@@ -3,10 +3,13 @@ a pause never holds training once no browser is left, and `fit --viewer` trains 
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +20,8 @@ from cli_util import assert_user_error, run_cli  # noqa: E402
 from gstrain.config import build_config  # noqa: E402
 from gstrain.data.colmap import load_scene  # noqa: E402
 from gstrain.model import init_gaussians  # noqa: E402
+from gstrain.render import Renderer  # noqa: E402
+from gstrain.viewer.convert import wxyz_of  # noqa: E402
 from gstrain.viewer.live import LiveViewer  # noqa: E402
 
 
@@ -52,6 +57,25 @@ def test_live_viewer_publishes_on_refresh_steps_only(demo_scene):
         with torch.no_grad():
             params["means"].add_(1.0)
         assert not torch.equal(viewer.page._params["means"], params["means"].detach())
+
+        # the render toggle's image for a browser camera placed on a test view equals our renderer's
+        # image of that view (DC colour: the live copy leaves the SH rest behind)
+        view = scene.test[0]
+        R = view.viewmat[:3, :3].double().numpy().T
+        camera = SimpleNamespace(
+            wxyz=wxyz_of(R), position=R @ -view.viewmat[:3, 3].double().numpy(),
+            fov=2 * math.atan(0.5 * view.height / float(view.K[1, 1])),
+            image_width=view.width, image_height=view.height,
+        )
+        got = viewer.page.render_for(camera)
+        dc = {k: v.detach() for k, v in params.items()}
+        dc["means"] = dc["means"] - 1.0  # undo the in-place change above: the copy was taken before it
+        dc["shN"] = dc["shN"][:, :0]
+        want, _, _ = Renderer(cfg.render, torch.device("cpu"))(dc, view.viewmat, view.K, view.width, view.height, 0,
+                                                               torch.zeros(3))
+        want = (want.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+        assert got.shape == want.shape
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
 
         viewer._set_running(False)  # the pause button, with no browser connected
         done = threading.Event()

@@ -56,7 +56,10 @@ class LiveViewer:
         """Called after every step; does work only every `refresh_every` steps."""
         if step % self.refresh_every != 0:
             return
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in params.items()}
+        # without the SH rest (3/4 of the bytes): the browser draws DC colour only, and the render
+        # toggle then renders degree 0
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in params.items() if k != "shN"}
+        snapshot["shN"] = torch.zeros(len(snapshot["means"]), 0, 3)
         row = (float(step), _value(loss), _value(psnr))
         with self._lock:
             for values, x in zip((self._steps, self._loss, self._psnr), row, strict=True):
