@@ -83,6 +83,7 @@ def fit(
     ] = None,
     atomic_threshold: Annotated[int | None, typer.Option(help="distwar's lane threshold T (1..32).")] = None,
     set_: SetOpt = None,
+    viewer: Annotated[bool, typer.Option("--viewer", help="Watch it train in the browser (viewer.port, ...).")] = False,
 ) -> None:
     """Train Gaussians on a COLMAP scene; writes checkpoints, PLY, TensorBoard logs to the run folder."""
     from gstrain.config import build_config, check_atomic_mode, merge_dict, parse_override, validate
@@ -127,12 +128,22 @@ def fit(
         f"gstrain: {len(loaded.train)} train / {len(loaded.test)} test views at {view.width}x{view.height}, "
         f"{len(loaded.points)} SfM points, device {dev}"
     )
+    live = None
+    if viewer:  # before the run folder exists: a busy port is bad input like any other
+        from gstrain.viewer.live import LiveViewer
+
+        live = LiveViewer(cfg, loaded, log=_log)
     if resume:
         update_run_config(run_dir, cfg)
     else:
         create_run_dir(run_dir, scene, cfg)
     trainer = Trainer(cfg, loaded, run_dir, dev, log=_log)
-    result = trainer.fit(resume=resume)
+    trainer.viewer = live
+    try:
+        result = trainer.fit(resume=resume)
+    finally:
+        if live is not None:
+            live.close()
     parts = [f"{result.status} at step {result.step} in {result.seconds:.1f}s", f"{result.num_gaussians} Gaussians"]
     if result.initial_test_psnr is not None:
         parts.append(f"test PSNR {result.initial_test_psnr:.2f} -> {result.final_test_psnr or float('nan'):.2f} dB")
@@ -169,22 +180,32 @@ def eval_(
 @app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
-    format: Annotated[str, typer.Option("--format", help="Export format: ply.")] = "ply",
+    format: Annotated[str, typer.Option("--format", help="Export format: ply | splat | ply-compressed.")] = "ply",
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
 ) -> None:
-    """Export the latest checkpoint's Gaussians as a viewer-compatible PLY."""
-    from gstrain.model import save_ply
+    """Export the latest checkpoint's Gaussians for viewers (3DGS PLY, .splat, compressed PLY)."""
+    from gstrain.formats import check_format, default_export_name, export_gaussians
     from gstrain.run_dir import load_run
     from gstrain.train.checkpoint import require_checkpoint
 
-    if format != "ply":
-        raise UserError(f"unsupported export format '{format}' (supported: ply)")
+    check_format(format)
     load_run(run)
     state = require_checkpoint(run)
-    path = out or run / "point_cloud" / f"iteration_{state['step']}" / "point_cloud.ply"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_ply(state["params"], path)
-    print(f"wrote {len(state['params']['means'])} Gaussians (step {state['step']}) to {path}")
+    path = out or run / "point_cloud" / f"iteration_{state['step']}" / default_export_name(format)
+    count = export_gaussians(state["params"], path, format)
+    print(f"wrote {count} Gaussians (step {state['step']}, {format}) to {path}")
+
+
+@app.command()
+def view(
+    run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
+    port: Annotated[int, typer.Option(help="Port of the web page.")] = 8080,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+) -> None:
+    """Show a trained run in the browser: Gaussians, cameras, scores, and our renderer's view."""
+    from gstrain.viewer.serve import serve_run
+
+    serve_run(run, host=host, port=port, log=_log)
 
 
 @app.command()

@@ -108,6 +108,13 @@ class LogConfig:
 
 
 @dataclass
+class ViewerConfig:  # gstrain fit --viewer
+    refresh_every: int = 100  # steps between splat updates in the browser (each copies the splats to the host)
+    port: int = 8080
+    host: str = "127.0.0.1"
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -116,6 +123,7 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    viewer: ViewerConfig = field(default_factory=ViewerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -241,6 +249,8 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"render.atomic_threshold must be 1..32; got {cfg.render.atomic_threshold}")
     if len(cfg.data.background) != 3:
         raise UserError("data.background must be three numbers (RGB in 0..1)")
+    if cfg.viewer.refresh_every < 1:
+        raise UserError(f"viewer.refresh_every must be >= 1; got {cfg.viewer.refresh_every}")
     for key in ("refine_every", "reset_every"):
         if getattr(cfg.strategy, key) < 1:
             raise UserError(f"strategy.{key} must be >= 1; got {getattr(cfg.strategy, key)}")

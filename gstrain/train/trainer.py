@@ -146,6 +146,7 @@ class Trainer:
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
         self.checkpoints = CheckpointWriter(run_dir, keep=cfg.log.keep_ckpts)
+        self.viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
 
     # ----------------------------------------------------------------- setup
     def _initial_params(self) -> torch.nn.ParameterDict:
@@ -306,6 +307,9 @@ class Trainer:
                 progress = step % cfg.log.progress_every == 0 or step == end
                 # train PSNR only when someone reads it: four launches saved on the other steps
                 train_psnr = psnr(image, gt) if logging or progress else None
+                if self.viewer is not None:
+                    self.viewer.on_step(step, self.params, loss, train_psnr)
+                    self.viewer.wait_if_paused(lambda: stop.requested)
                 if progress:
                     loss_value = float(loss)  # the one host sync per progress_every steps
                     if not math.isfinite(loss_value):
