@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gstrain.errors import UserError
 from gstrain.train.losses import psnr, ssim_conv
+from gstrain.train.masking import masked_psnr, masked_ssim, metric_target
 
 # torchvision checkpoint file that lpips' backbone loads through torch.hub, per network.
 LPIPS_BACKBONE_FILES = {
@@ -89,14 +90,26 @@ class Metrics:
             self._lpips, self.lpips_note = load_lpips(self.device, lpips_net)
 
     @torch.no_grad()
-    def add(self, img: Tensor, gt: Tensor) -> dict[str, float | None]:
-        """Score one [H,W,3] render against its ground truth; the render is clamped to [0, 1]."""
+    def add(self, img: Tensor, gt: Tensor, keep: Tensor | None = None) -> dict[str, float | None]:
+        """Score one [H,W,3] render against its ground truth; the render is clamped to [0, 1].
+
+        keep ([H, W] bool): score the kept pixels only (train/masking.py says how).
+        """
         if img.shape != gt.shape or img.dim() != 3:
             raise ValueError(f"expected two [H,W,3] images of one shape, got {tuple(img.shape)} "
                              f"and {tuple(gt.shape)}")
         a = img.to(self.device, torch.float32).clamp(0.0, 1.0)
         b = gt.to(self.device, torch.float32)
-        row: dict[str, float | None] = {
+        if keep is not None:  # masks
+            keep = keep.to(self.device)
+            row: dict[str, float | None] = {
+                "psnr": float(masked_psnr(a, b, keep)),
+                "ssim": float(masked_ssim(a, b, keep)),
+                "lpips": float(self._lpips(torch.where(keep[..., None], a, b), b)) if self._lpips else None,
+            }
+            self.per_image.append(row)
+            return row
+        row = {
             "psnr": float(psnr(a, b)),
             "ssim": float(ssim_conv(a, b)),
             "lpips": float(self._lpips(a, b)) if self._lpips is not None else None,
@@ -174,7 +187,9 @@ def evaluate_run(run_dir: Path, device: str = "auto", log: Callable[[str], None]
                 params, view.viewmat.to(dev), view.K.to(dev), view.width, view.height, sh_degree, background
             )
             image = image.clamp(0, 1)
-            metrics.add(image, view.image.to(dev).float() / 255.0)
+            # masks: kept pixels only (ignore) or against the composited target (background)
+            gt, keep = metric_target(view.image.to(dev).float() / 255.0, view.mask, cfg.data.mask_mode, background)
+            metrics.add(image, gt, keep)
             png = (image * 255.0 + 0.5).to(torch.uint8).cpu().numpy()
             iio.imwrite(out_dir / f"{Path(view.name).stem}.png", png)
     summary = metrics.summary()
@@ -186,6 +201,8 @@ def evaluate_run(run_dir: Path, device: str = "auto", log: Callable[[str], None]
         "ssim": summary["ssim"],
         "lpips": summary["lpips"],
         "lpips_note": summary["lpips_note"],
+        # masks: how many test views were scored on their kept pixels only (data.mask_mode=ignore)
+        "masked_views": sum(v.mask is not None for v in scene.test) if cfg.data.mask_mode == "ignore" else 0,
         "per_image": [
             {"name": v.name, **{k: _finite_or_none(x) for k, x in row.items()}}
             for v, row in zip(scene.test, summary["per_image"], strict=True)

@@ -47,7 +47,12 @@ def _as_nchw(img: Tensor) -> Tensor:
 
 
 def ssim_conv(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA) -> Tensor:
-    """Mean SSIM with a Gaussian window, as the original 3DGS computes it.
+    """Mean SSIM with a Gaussian window, as the original 3DGS computes it (the mean of ssim_map)."""
+    return ssim_map(img, gt, window, sigma).mean()
+
+
+def ssim_map(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA) -> Tensor:
+    """Per-pixel SSIM, [B, C, H, W]: masked metrics average it over the kept pixels only.
 
     Same-size output: zero padding of window // 2 on each side, so border pixels are included
     (with the zero-padded statistics 3DGS uses). The 2-D window is the outer product of the
@@ -73,7 +78,7 @@ def ssim_conv(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float =
     mu_xy = mu_x * mu_y
     num = (2.0 * mu_xy + SSIM_C1) * (2.0 * (e_xy - mu_xy) + SSIM_C2)
     den = (mu_xx + mu_yy + SSIM_C1) * ((e_xx - mu_xx) + (e_yy - mu_yy) + SSIM_C2)
-    return (num / den).mean()
+    return num / den
 
 
 def l1_loss(img: Tensor, gt: Tensor) -> Tensor:

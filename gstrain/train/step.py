@@ -21,6 +21,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.train.fused_ssim import training_loss_for
+from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategy import Densifier
 from gstrain.train.timing import PhaseTimer
 
@@ -62,6 +63,7 @@ class StepRunner:
         sh_degree: int,
         background: Tensor | None,
         scheduler: Any = None,
+        mask: ViewMask | None = None,
     ) -> StepResult:
         timer = self.timer
         height, width = gt.shape[:2]
@@ -69,7 +71,9 @@ class StepRunner:
             image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
         self.densifier.pre_backward(params, optimizers, step, info)
         with timer.phase("loss"):
-            loss, terms = self.loss_fn(image, gt, self.cfg.train.ssim_lambda)
+            # masks: the view's mask (None: every pixel) under data.mask_mode (train/masking.py)
+            loss, terms = masked_loss(self.loss_fn, image, gt, self.cfg.train.ssim_lambda, mask,
+                                      self.cfg.data.mask_mode, background)
             reg = self.densifier.mcmc_regularisers(params)
             if reg is not None:
                 loss = loss + reg
