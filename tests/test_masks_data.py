@@ -124,3 +124,29 @@ def test_mask_mode_is_validated() -> None:
     assert build_config(overrides=[{"data": {"mask_mode": "background"}}]).data.mask_mode == "background"
     with pytest.raises(UserError, match="data.mask_mode"):
         build_config(overrides=[{"data": {"mask_mode": "blur"}}])
+
+
+def test_masks_factor_folder_and_misnamed_or_empty_masks(masked_demo: Path, tmp_path: Path) -> None:
+    root = tmp_path / "m2"
+    shutil.copytree(masked_demo, root)
+    (root / "images_2").mkdir()
+    (root / "masks_2").mkdir()
+    square = np.full((32, 32), 255, np.uint8)
+    square[4:12, 20:30] = 0  # not the distractor: shows which folder the mask came from
+    for f in (root / "images").iterdir():
+        Image.open(f).resize((32, 32), Image.Resampling.BOX).save(root / "images_2" / f.name)
+        Image.fromarray(square).save(root / "masks_2" / f.name)
+    (root / "masks" / "001.png").unlink()  # masks_2 is used for 001 as for every other view
+    for view in _views(load_scene(root, factor=2)):
+        assert np.array_equal(view.mask.numpy(), square >= 128), view.name
+    # masks/ whose names match no image: said, not silently trained on every pixel
+    shutil.rmtree(root / "masks_2")
+    for f in list((root / "masks").iterdir()):
+        f.rename(f.with_name("mask_" + f.name))
+    notes = load_scene(root).notes
+    assert any("holds no mask for any of the 16 images" in n for n in notes), notes
+    # a mask that ignores everything is reported
+    Image.fromarray(np.zeros((64, 64), np.uint8)).save(root / "masks" / "005.png")
+    note = [n for n in load_scene(root).notes if n.startswith("masks:")]
+    assert note == ["masks: 1 of 16 views have a mask; 4096 of their 4096 pixels (100.0%) are ignored; "
+                    "1 of them ignore every pixel (those views teach nothing)"]

@@ -69,7 +69,8 @@ def load_scene(
 
     # pycolmap's undistortion holds the GIL; PIL decoding and resizing do not, so threads still help.
     workers = max(1, min(8, os.cpu_count() or 1))
-    loader = _ViewLoader(image_dir, factor, from_small_dir, MaskReader(root, image_dir))
+    masks = MaskReader(root, image_dir)
+    loader = _ViewLoader(image_dir, factor, from_small_dir, masks)
     say(f"loading {len(images)} images from {image_dir} (factor {factor})")
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -86,9 +87,9 @@ def load_scene(
             f"{n_resized} images differ in size from their COLMAP camera; intrinsics scaled to match"
         )
 
-    masks = mask_note(views)  # masks: one line on how much is masked
-    if masks:
-        notes.append(masks)
+    masked = mask_note(views, masks)  # masks: one line on how much is masked
+    if masked:
+        notes.append(masked)
 
     points, colors = _read_points(rec)
     extent = _camera_extent(views, points)

@@ -131,14 +131,19 @@ def _read_alpha(image_file: Path) -> np.ndarray | None:
     return weight if (weight < 0.5).any() else None  # an opaque alpha channel masks nothing
 
 
-def mask_note(views: list[View]) -> str | None:
+def mask_note(views: list[View], reader: MaskReader) -> str | None:
     """One line for the user: how many views have masks and how many of their pixels are ignored."""
     masked = [v.mask for v in views if v.mask is not None]
     if not masked:
+        if reader.dirs:  # a masks folder that matches nothing is almost surely misnamed files
+            return (f"masks: {reader.dirs[-1]} holds no mask for any of the {len(views)} images "
+                    "(a mask needs its image's file stem); training on every pixel")
         return None
     total = sum(int(m.numel()) for m in masked)
     ignored = total - sum(int(m.sum()) for m in masked)
+    empty = sum(1 for m in masked if not m.any())
     return (
         f"masks: {len(masked)} of {len(views)} views have a mask; {ignored} of their {total} pixels "
         f"({100.0 * ignored / max(total, 1):.1f}%) are ignored"
+        + (f"; {empty} of them ignore every pixel (those views teach nothing)" if empty else "")
     )
