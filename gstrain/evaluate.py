@@ -100,20 +100,20 @@ class Metrics:
                              f"and {tuple(gt.shape)}")
         a = img.to(self.device, torch.float32).clamp(0.0, 1.0)
         b = gt.to(self.device, torch.float32)
+        row: dict[str, float | None]
         if keep is not None:  # masks
             keep = keep.to(self.device)
-            row: dict[str, float | None] = {
+            row = {
                 "psnr": float(masked_psnr(a, b, keep)),
                 "ssim": float(masked_ssim(a, b, keep)),
                 "lpips": float(self._lpips(torch.where(keep[..., None], a, b), b)) if self._lpips else None,
             }
-            self.per_image.append(row)
-            return row
-        row = {
-            "psnr": float(psnr(a, b)),
-            "ssim": float(ssim_conv(a, b)),
-            "lpips": float(self._lpips(a, b)) if self._lpips is not None else None,
-        }
+        else:
+            row = {
+                "psnr": float(psnr(a, b)),
+                "ssim": float(ssim_conv(a, b)),
+                "lpips": float(self._lpips(a, b)) if self._lpips is not None else None,
+            }
         self.per_image.append(row)
         return row
 

@@ -125,6 +125,12 @@ def test_masked_metrics_against_numpy():
     assert float(masked_psnr(img, gt, keep)) == pytest.approx(-10 * np.log10(np.mean(diff**2)), rel=1e-5)
     ref_map = _ssim_map_plain(img.double(), gt.double()).numpy()
     assert float(masked_ssim(img, gt, keep)) == pytest.approx(float(ref_map[k].mean()), rel=1e-5)
+    # the Metrics hook scores the same way (renders are clamped first: these are in [0, 1] already)
+    from gstrain.evaluate import Metrics
+
+    row = Metrics("cpu", lpips=False).add(img, gt, keep)
+    assert row["psnr"] == pytest.approx(-10 * np.log10(np.mean(diff**2)), rel=1e-5)
+    assert row["ssim"] == pytest.approx(float(ref_map[k].mean()), rel=1e-5)
     # metric_target: ignore keeps gt and gives the mask; background composites and scores all
     t, kk = metric_target(gt, keep, "ignore", None)
     assert t is gt and torch.equal(kk, keep)
