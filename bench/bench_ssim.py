@@ -1,4 +1,4 @@
-"""SSIM benchmark: forward + backward of the conv SSIM (losses.ssim_conv) against the fused kernels.
+"""SSIM benchmark: forward + backward of the conv SSIM (metrics.ssim_conv) against the fused kernels.
 
 Images [H,W,3] float32 on the GPU (a render that needs a gradient, a fixed ground truth), at
 720x1280 and 1080x1920 by default. Each repetition is one forward and one backward, timed with
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from bench.builds import build_all
+from gstrain.metrics import ssim_conv
 from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim
-from gstrain.train.losses import ssim_conv
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -173,8 +173,14 @@ def eval_(
     lp_text = f"{lp:.4f}" if lp is not None else f"n/a ({metrics.get('lpips_note', 'unavailable')})"
     print(
         f"test views {metrics['num_views']}: PSNR {metrics['psnr']:.2f} dB, SSIM {metrics['ssim']:.4f}, "
-        f"LPIPS {lp_text}  -> {run / 'metrics.json'}"
+        f"LPIPS {lp_text}{_masked_text(metrics)}  -> {run / 'metrics.json'}"
     )
+
+
+def _masked_text(metrics: dict) -> str:
+    """masks: the eval line says when test views were scored on their kept pixels only."""
+    n = metrics.get("masked_views") or 0
+    return f" (masked: {n} of {metrics['num_views']} views scored on kept pixels only)" if n else ""
 
 
 @app.command()
@@ -242,14 +248,18 @@ def demo_scene(
     out: Annotated[Path, typer.Argument(help="Folder to write the generated COLMAP scene to.")],
     views: Annotated[int, typer.Option(help="Number of views.")] = 32,
     size: Annotated[int, typer.Option(help="Image width and height in pixels.")] = 128,
+    masks: Annotated[bool, typer.Option(
+        "--masks", help="Paint a moving magenta distractor into the training views and write masks/ for it."
+    )] = False,
 ) -> None:
     """Write the embedded synthetic demo scene as a real COLMAP scene (images/ + sparse/0)."""
     from gstrain.data.demo import write_demo_scene
 
     if views < 2 or size < 16:
         raise UserError("demo-scene needs --views >= 2 and --size >= 16")
-    write_demo_scene(out, n_views=views, width=size, height=size)
-    print(f"wrote demo scene ({views} views, {size}x{size}) to {out}")
+    write_demo_scene(out, n_views=views, width=size, height=size, masks=masks)
+    extra = ", with a masked distractor" if masks else ""
+    print(f"wrote demo scene ({views} views, {size}x{size}{extra}) to {out}")
 
 
 @app.command()

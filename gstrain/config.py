@@ -24,6 +24,7 @@ BACKENDS = ("auto", "reference", "cuda", "gsplat")
 ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the one list
+MASK_MODES = ("ignore", "background")
 
 
 @dataclass
@@ -31,6 +32,9 @@ class DataConfig:
     factor: int = 1  # downscale factor; images_<factor>/ is used when present
     test_every: int = 8  # every Nth image (sorted by name) is held out; 0 = none
     background: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    # masked pixels (masks/ or alpha): "ignore" leaves them out of loss and metrics; "background"
+    # trains them to data.background (object captures) and scores all pixels against that target
+    mask_mode: str = "ignore"
 
 
 @dataclass
@@ -236,6 +240,7 @@ def validate(cfg: Config) -> Config:
     choice(cfg.train.device, DEVICES, "train.device")
     choice(cfg.strategy.name, STRATEGIES, "strategy.name")
     choice(cfg.model.init, ("sfm", "random"), "model.init")
+    choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     if cfg.train.steps < 1:
         raise UserError(f"train.steps must be >= 1; got {cfg.train.steps}")
     if not 0 <= cfg.train.stop_at <= cfg.train.steps:

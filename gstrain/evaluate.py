@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
-from gstrain.metrics import Metrics
+from gstrain.metrics import Metrics, metric_target
 from gstrain.render.sh import sh_degree_at
 
 
@@ -52,7 +52,9 @@ def evaluate_run(run_dir: Path, device: str = "auto", log: Callable[[str], None]
                 params, view.viewmat.to(dev), view.K.to(dev), view.width, view.height, sh_degree, background
             )
             image = image.clamp(0, 1)
-            metrics.add(image, view.image.to(dev).float() / 255.0)
+            # masks: kept pixels only (ignore) or against the composited target (background)
+            gt, keep = metric_target(view.image.to(dev).float() / 255.0, view.mask, cfg.data.mask_mode, background)
+            metrics.add(image, gt, keep)
             png = (image * 255.0 + 0.5).to(torch.uint8).cpu().numpy()
             iio.imwrite(out_dir / f"{Path(view.name).stem}.png", png)
     summary = metrics.summary()
@@ -64,6 +66,8 @@ def evaluate_run(run_dir: Path, device: str = "auto", log: Callable[[str], None]
         "ssim": summary["ssim"],
         "lpips": summary["lpips"],
         "lpips_note": summary["lpips_note"],
+        # masks: how many test views were scored on their kept pixels only (data.mask_mode=ignore)
+        "masked_views": sum(v.mask is not None for v in scene.test) if cfg.data.mask_mode == "ignore" else 0,
         "per_image": [
             {"name": v.name, **{k: _finite_or_none(x) for k, x in row.items()}}
             for v, row in zip(scene.test, summary["per_image"], strict=True)

@@ -45,7 +45,12 @@ def _as_nchw(img: Tensor) -> Tensor:
 
 
 def ssim_conv(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA) -> Tensor:
-    """Mean SSIM with a Gaussian window, as the original 3DGS computes it.
+    """Mean SSIM with a Gaussian window, as the original 3DGS computes it (the mean of ssim_map)."""
+    return ssim_map(img, gt, window, sigma).mean()
+
+
+def ssim_map(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA) -> Tensor:
+    """Per-pixel SSIM, [B, C, H, W]: masked metrics average it over the kept pixels only.
 
     Same-size output: zero padding of window // 2 on each side, so border pixels are included
     (with the zero-padded statistics 3DGS uses). The 2-D window is the outer product of the
@@ -71,13 +76,46 @@ def ssim_conv(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float =
     mu_xy = mu_x * mu_y
     num = (2.0 * mu_xy + SSIM_C1) * (2.0 * (e_xy - mu_xy) + SSIM_C2)
     den = (mu_xx + mu_yy + SSIM_C1) * ((e_xx - mu_xx) + (e_yy - mu_yy) + SSIM_C2)
-    return (num / den).mean()
+    return num / den
 
 
 def psnr(img: Tensor, gt: Tensor) -> Tensor:
     """PSNR in dB for a peak of 1.0 over all pixels and channels (inf for identical images)."""
     mse = (img - gt).square().mean()
     return -10.0 * torch.log10(mse)
+
+
+def masked_psnr(img: Tensor, gt: Tensor, keep: Tensor) -> Tensor:
+    """PSNR (peak 1.0) from the MSE over the kept pixels of [H, W, C] images; keep is [H, W] bool."""
+    mse = (img - gt).square()[keep].mean()
+    return -10.0 * torch.log10(mse)
+
+
+def masked_ssim(img: Tensor, gt: Tensor, keep: Tensor) -> Tensor:
+    """Mean of the 3DGS SSIM map over the kept pixels (all channels) of [H, W, C] images."""
+    per_pixel = ssim_map(img, gt)[0].permute(1, 2, 0)  # [H, W, C]
+    return per_pixel[keep].mean()
+
+
+def composite_background(gt: Tensor, keep: Tensor, background: Tensor | None) -> Tensor:
+    """gt where keep, the background colour (black when None) elsewhere; keep is [H, W, 1] bool."""
+    bg = torch.zeros(3, dtype=gt.dtype, device=gt.device) if background is None else background.to(gt)
+    return torch.where(keep, gt, bg)
+
+
+def metric_target(
+    gt: Tensor, mask: Tensor | None, mode: str, background: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """(target, keep) to score a render with (data.mask_mode): keep is [H, W] bool under ignore, else None.
+
+    background mode composites the target and scores every pixel; no mask scores every pixel.
+    """
+    if mask is None:
+        return gt, None
+    keep = mask.to(device=gt.device, dtype=torch.bool)
+    if mode == "background":
+        return composite_background(gt, keep.unsqueeze(-1), background), None
+    return gt, keep
 
 
 # torchvision checkpoint file that lpips' backbone loads through torch.hub, per network.
@@ -152,18 +190,30 @@ class Metrics:
             self._lpips, self.lpips_note = load_lpips(self.device, lpips_net)
 
     @torch.no_grad()
-    def add(self, img: Tensor, gt: Tensor) -> dict[str, float | None]:
-        """Score one [H,W,3] render against its ground truth; the render is clamped to [0, 1]."""
+    def add(self, img: Tensor, gt: Tensor, keep: Tensor | None = None) -> dict[str, float | None]:
+        """Score one [H,W,3] render against its ground truth; the render is clamped to [0, 1].
+
+        keep ([H, W] bool): score the kept pixels only (masks; gstrain/train/masking.py says how).
+        """
         if img.shape != gt.shape or img.dim() != 3:
             raise ValueError(f"expected two [H,W,3] images of one shape, got {tuple(img.shape)} "
                              f"and {tuple(gt.shape)}")
         a = img.to(self.device, torch.float32).clamp(0.0, 1.0)
         b = gt.to(self.device, torch.float32)
-        row: dict[str, float | None] = {
-            "psnr": float(psnr(a, b)),
-            "ssim": float(ssim_conv(a, b)),
-            "lpips": float(self._lpips(a, b)) if self._lpips is not None else None,
-        }
+        row: dict[str, float | None]
+        if keep is not None:
+            keep = keep.to(self.device)
+            row = {
+                "psnr": float(masked_psnr(a, b, keep)),
+                "ssim": float(masked_ssim(a, b, keep)),
+                "lpips": float(self._lpips(torch.where(keep[..., None], a, b), b)) if self._lpips else None,
+            }
+        else:
+            row = {
+                "psnr": float(psnr(a, b)),
+                "ssim": float(ssim_conv(a, b)),
+                "lpips": float(self._lpips(a, b)) if self._lpips is not None else None,
+            }
         self.per_image.append(row)
         return row
 

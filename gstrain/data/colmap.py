@@ -21,6 +21,7 @@ import pycolmap
 import torch
 from PIL import Image
 
+from gstrain.data.masks import MaskReader, mask_note
 from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
 
@@ -68,7 +69,8 @@ def load_scene(
 
     # pycolmap's undistortion holds the GIL; PIL decoding and resizing do not, so threads still help.
     workers = max(1, min(8, os.cpu_count() or 1))
-    loader = _ViewLoader(image_dir, factor, from_small_dir)
+    masks = MaskReader(root, image_dir)
+    loader = _ViewLoader(image_dir, factor, from_small_dir, masks)
     say(f"loading {len(images)} images from {image_dir} (factor {factor})")
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -84,6 +86,10 @@ def load_scene(
         notes.append(
             f"{n_resized} images differ in size from their COLMAP camera; intrinsics scaled to match"
         )
+
+    masked = mask_note(views, masks)  # masks: one line on how much is masked
+    if masked:
+        notes.append(masked)
 
     points, colors = _read_points(rec)
     extent = _camera_extent(views, points)
@@ -170,8 +176,9 @@ def _pick_image_dir(
 class _ViewLoader:
     """Decodes, downscales and undistorts one image; safe to call from several threads."""
 
-    def __init__(self, image_dir: Path, factor: int, prescaled: bool) -> None:
+    def __init__(self, image_dir: Path, factor: int, prescaled: bool, masks: MaskReader) -> None:
         self.image_dir = image_dir
+        self.masks = masks
         self.factor = factor
         self.prescaled = prescaled
         self.options = pycolmap.UndistortCameraOptions()
@@ -201,6 +208,7 @@ class _ViewLoader:
             pil = pil.resize(target, Image.Resampling.BOX)
         pixels = np.asarray(pil)
 
+        camera_size = (cam.width, cam.height)
         distorted = cam.model_name not in _PINHOLE_MODELS
         if distorted:
             # Downscale first, then undistort with the rescaled camera: same result as the other order
@@ -223,6 +231,8 @@ class _ViewLoader:
         if pixels.shape[2] == 1:
             pixels = np.repeat(pixels, 3, axis=2)
 
+        # masks: same resize and undistortion as the image (data/masks.py)
+        mask = self.masks.load(image.name, file, (w, h), camera_size, target, cam if distorted else None)
         viewmat = np.eye(4)
         viewmat[:3, :] = image.cam_from_world().matrix()
         view = View(
@@ -230,6 +240,7 @@ class _ViewLoader:
             image=torch.from_numpy(np.array(pixels[:, :, :3], dtype=np.uint8, order="C")),
             K=torch.from_numpy(K.astype(np.float32)),
             viewmat=torch.from_numpy(viewmat.astype(np.float32)),
+            mask=mask,
         )
         return view, (image.camera.model_name if distorted else None)
 

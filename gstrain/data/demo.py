@@ -4,6 +4,11 @@ A sphere with a colourful checker texture sits on a textured ground disc over a 
 Cameras (one shared PINHOLE camera) look at the sphere from two rings at different elevations.
 The sparse model holds surface samples with their true colours and exact 2D observations, so it
 is a valid reconstruction (reprojection error ~0) and goes through the same loader as user scenes.
+
+With masks=True a distractor, a solid magenta disc that moves from view to view like a passer-by,
+is painted into the images, and masks/ marks it as ignored (black). Views whose index is a
+multiple of DISTRACTOR_FREE_EVERY (the default held-out views, data.test_every=8) stay clean and
+have no mask file, so held-out scores measure whether the distractor leaked into the model.
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ FOV_DEG = 50.0
 BACKGROUND = np.zeros(3)
 LIGHT = np.array([0.4, -0.5, 0.75]) / np.linalg.norm([0.4, -0.5, 0.75])
 _SUPERSAMPLE = 2  # per axis, so edges are antialiased like a real photo
+DISTRACTOR_RGB = (255, 0, 255)
+DISTRACTOR_RADIUS = 0.16  # of the image's smaller side
+DISTRACTOR_FREE_EVERY = 8
 
 
 def write_demo_scene(
-    out_dir: str | Path, n_views: int = 32, width: int = 128, height: int = 128, seed: int = 0
+    out_dir: str | Path, n_views: int = 32, width: int = 128, height: int = 128, seed: int = 0,
+    masks: bool = False,
 ) -> Path:
-    """Write out_dir/images/*.png and out_dir/sparse/0/*.bin (a COLMAP scene) and return out_dir."""
+    """Write out_dir/images/*.png and out_dir/sparse/0/*.bin (a COLMAP scene) and return out_dir.
+
+    masks: also paint the moving distractor and write out_dir/masks/*.png (module docstring).
+    """
     out = Path(out_dir)
     if n_views < 2 or width < 8 or height < 8:
         raise UserError(f"demo scene needs >= 2 views of >= 8x8 pixels, got {n_views} of {width}x{height}")
@@ -47,13 +59,31 @@ def write_demo_scene(
     image_dir.mkdir(parents=True, exist_ok=True)
     model_dir.mkdir(parents=True, exist_ok=True)
     names = [f"{i:03d}.png" for i in range(n_views)]
-    for name, (R, t) in zip(names, poses, strict=True):
-        Image.fromarray(_render(R, t, K, width, height)).save(image_dir / name)
+    for i, (name, (R, t)) in enumerate(zip(names, poses, strict=True)):
+        pixels = _render(R, t, K, width, height)
+        if masks and i % DISTRACTOR_FREE_EVERY != 0:
+            (out / "masks").mkdir(exist_ok=True)
+            keep = _paint_distractor(pixels, i)
+            Image.fromarray(keep.astype(np.uint8) * 255).save(out / "masks" / name)
+        Image.fromarray(pixels).save(image_dir / name)
 
     points, colors = _sample_surface(rng)
     rec = _build_reconstruction(names, poses, K, width, height, points, colors)
     rec.write(str(model_dir))
     return out
+
+
+def _paint_distractor(pixels: np.ndarray, index: int) -> np.ndarray:
+    """Paint view `index`'s distractor disc in place; returns the keep mask (False on the disc + 1 px)."""
+    h, w = pixels.shape[:2]
+    # golden-ratio steps: the disc lands somewhere else in every view, never twice in a row nearby
+    cx = w * (0.25 + 0.5 * ((index * 0.618) % 1.0))
+    cy = h * (0.3 + 0.45 * ((index * 0.382 + 0.1) % 1.0))
+    radius = DISTRACTOR_RADIUS * min(w, h)
+    ys, xs = np.mgrid[0:h, 0:w] + 0.5
+    dist = np.hypot(xs - cx, ys - cy)
+    pixels[dist <= radius] = DISTRACTOR_RGB
+    return dist > radius + 1.0
 
 
 def _camera_centers(n_views: int) -> np.ndarray:

@@ -16,6 +16,7 @@ class View:
     image: torch.Tensor  # [H, W, 3] uint8, CPU
     K: torch.Tensor  # [3, 3] float32 intrinsics for this resolution
     viewmat: torch.Tensor  # [4, 4] float32 world-to-camera (COLMAP convention: x right, y down, z forward)
+    mask: torch.Tensor | None = None  # [H, W] bool, True = pixel counts; None = all do (data/masks.py)
 
     @property
     def width(self) -> int:

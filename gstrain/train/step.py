@@ -22,6 +22,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.train.losses import training_loss_for
+from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategies.base import Strategy
 from gstrain.train.timing import PhaseTimer
 
@@ -63,6 +64,7 @@ class StepRunner:
         sh_degree: int,
         background: Tensor | None,
         scheduler: Any = None,
+        mask: ViewMask | None = None,
     ) -> StepResult:
         timer = self.timer
         height, width = gt.shape[:2]
@@ -70,7 +72,9 @@ class StepRunner:
             image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
         self.strategy.step_pre_backward(params, optimizers, step, info)
         with timer.phase("loss"):
-            loss, terms = self.loss_fn(image, gt, self.cfg.train.ssim_lambda)
+            # masks: the view's mask (None: every pixel) under data.mask_mode (train/masking.py)
+            loss, terms = masked_loss(self.loss_fn, image, gt, self.cfg.train.ssim_lambda, mask,
+                                      self.cfg.data.mask_mode, background)
             reg = self.strategy.loss_term(params)
             if reg is not None:
                 loss = loss + reg

@@ -18,11 +18,12 @@ from tqdm import tqdm
 from gstrain.config import Config
 from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
-from gstrain.metrics import Metrics, psnr
+from gstrain.metrics import Metrics, metric_target, psnr
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
 from gstrain.render.sh import sh_degree_at
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
+from gstrain.train.masking import prepare_mask
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.step import StepRunner
@@ -133,6 +134,7 @@ class Trainer:
         # Images live on the device as uint8 (a quarter of float32) and are converted per step.
         self.train_images = [v.image.to(device) for v in scene.train]
         self.train_cams = [(v.viewmat.to(device), v.K.to(device)) for v in scene.train]
+        self.train_masks = [prepare_mask(v.mask, device) for v in scene.train]  # masks: None = unmasked
         self.params = self._initial_params()
         self.optimizers = build_optimizers(self.params, cfg.optim, scene.extent)
         self.scheduler = build_means_scheduler(self.optimizers["means"], cfg.optim, cfg.train.steps)
@@ -243,7 +245,10 @@ class Trainer:
             return None
         metrics = Metrics(self.device, lpips=False)
         for view in views:
-            metrics.add(self.render_view(view), view.image.to(self.device).float() / 255.0)
+            # masks: kept pixels only (ignore) or against the composited target (background)
+            gt, keep = metric_target(view.image.to(self.device).float() / 255.0, view.mask,
+                                     self.cfg.data.mask_mode, self.background)
+            metrics.add(self.render_view(view), gt, keep)
         summary = metrics.summary()
         per_view = {v.name: round(r["psnr"], 3) for v, r in zip(views, summary["per_image"], strict=True)}
         return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view}
@@ -267,7 +272,7 @@ class Trainer:
             gt = self.train_images[idx].float() / 255.0
         result = self.runner.run(
             self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
-            scheduler=self.scheduler,
+            scheduler=self.scheduler, mask=self.train_masks[idx],
         )
         if result.changed:  # the count is known on the host: no sync
             self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
