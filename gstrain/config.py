@@ -25,6 +25,8 @@ ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the one list
 MASK_MODES = ("ignore", "background")
+PARTITIONS = ("locality", "random", "round_robin")  # gstrain.dist.partition.PARTITIONS
+COMPRESSIONS = ("none", "fp16")
 
 
 @dataclass
@@ -72,6 +74,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     fused_ssim: bool = True  # the fused CUDA SSIM kernels on a GPU (the convolutions on the CPU either way)
     stop_at: int = 0  # pause after this step (0: run to `steps`); schedules still span `steps`
+    # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
+    # torchrun it is the GLOBAL batch, split over the ranks (a multiple of the number of ranks)
+    batch_size: int = 1
 
 
 @dataclass
@@ -119,6 +124,13 @@ class ViewerConfig:  # gstrain fit --viewer
 
 
 @dataclass
+class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Several GPUs")
+    partition: str = "locality"  # who owns which Gaussian: locality | random | round_robin
+    compress: str = "none"  # records on the wire: none | fp16 (gradients too)
+    timeout_s: float = 600.0  # a collective waiting longer than this ends the run (a rank died)
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -128,6 +140,7 @@ class Config:
     render: RenderConfig = field(default_factory=RenderConfig)
     log: LogConfig = field(default_factory=LogConfig)
     viewer: ViewerConfig = field(default_factory=ViewerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -241,6 +254,12 @@ def validate(cfg: Config) -> Config:
     choice(cfg.strategy.name, STRATEGIES, "strategy.name")
     choice(cfg.model.init, ("sfm", "random"), "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
+    choice(cfg.dist.partition, PARTITIONS, "dist.partition")
+    choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
+    if cfg.dist.timeout_s <= 0:
+        raise UserError(f"dist.timeout_s must be > 0; got {cfg.dist.timeout_s}")
+    if cfg.train.batch_size < 1:
+        raise UserError(f"train.batch_size must be >= 1; got {cfg.train.batch_size}")
     if cfg.train.steps < 1:
         raise UserError(f"train.steps must be >= 1; got {cfg.train.steps}")
     if not 0 <= cfg.train.stop_at <= cfg.train.steps:

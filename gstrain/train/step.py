@@ -35,6 +35,39 @@ class StepResult:
     changed: bool  # densification may have changed the set of Gaussians
 
 
+@dataclass
+class BatchView:
+    """One view of a batch step: camera, target (float, [H,W,3]) and mask (None: every pixel)."""
+
+    viewmat: Tensor
+    K: Tensor
+    gt: Tensor
+    mask: ViewMask | None = None
+
+
+def _grads_of(tensors: list[Tensor], attr: str) -> Tensor | None:
+    grads = [getattr(t, attr, None) for t in tensors]
+    if all(g is None for g in grads):
+        return None
+    return torch.cat([torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)])
+
+
+def merge_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """The B single-view infos of a batch step as one gsplat info with n_cameras=B: means2d
+    [B,N,2] carries the views' screen-space gradients (.grad, .absgrad), radii [B,N,2]."""
+    m2d = [i["means2d"] for i in infos]
+    merged = torch.cat([m.detach() for m in m2d])
+    merged.grad = _grads_of(m2d, "grad")
+    absgrad = _grads_of(m2d, "absgrad")
+    if absgrad is not None:
+        merged.absgrad = absgrad
+    out = dict(infos[0])
+    out.update(means2d=merged, n_cameras=len(infos))
+    for key in ("radii", "depths", "conics"):
+        out[key] = torch.cat([i[key] for i in infos])
+    return out
+
+
 class StepRunner:
     """Runs training steps on a parameter dict and its per-tensor optimizers (both owned by the caller)."""
 
@@ -78,8 +111,53 @@ class StepRunner:
             reg = self.strategy.loss_term(params)
             if reg is not None:
                 loss = loss + reg
+        changed = self.finish(params, optimizers, step, loss, lambda: info, scheduler)
+        return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed)
+
+    def run_batch(
+        self,
+        params: torch.nn.ParameterDict,
+        optimizers: dict[str, torch.optim.Optimizer],
+        step: int,
+        views: list[BatchView],
+        sh_degree: int,
+        background: Tensor | None,
+        scheduler: Any = None,
+    ) -> StepResult:
+        """One step on B views (train.batch_size): loss = the mean of the B per-view losses, one
+        backward, one optimizer step; densification sees all B views as gsplat's n_cameras=B."""
+        timer = self.timer
+        infos, images, losses, terms_sum = [], [], [], {}
+        for v in views:
+            height, width = v.gt.shape[:2]
+            with timer.phase("forward"):
+                image, _, info = self.renderer(params, v.viewmat, v.K, width, height, sh_degree, background,
+                                               timer=timer)  # fmt: skip
+            self.strategy.step_pre_backward(params, optimizers, step, info)
+            with timer.phase("loss"):
+                loss, terms = masked_loss(self.loss_fn, image, v.gt, self.cfg.train.ssim_lambda, v.mask,
+                                          self.cfg.data.mask_mode, background)  # fmt: skip
+            losses.append(loss)
+            for k, t in terms.items():
+                terms_sum[k] = terms_sum.get(k, 0) + t.detach()
+            infos.append(info)
+            images.append(image)
+        loss = torch.stack(losses).mean()
+        reg = self.strategy.loss_term(params)
+        if reg is not None:
+            loss = loss + reg
+        changed = self.finish(params, optimizers, step, loss, lambda: merge_infos(infos), scheduler)
+        terms_mean = {k: t / len(views) for k, t in terms_sum.items()}
+        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed)
+
+    def finish(self, params: torch.nn.ParameterDict, optimizers: dict[str, torch.optim.Optimizer], step: int,
+               loss: Tensor, info_fn: Any, scheduler: Any = None) -> bool:  # fmt: skip
+        """Backward, optimizer (and scheduler) step, densification; info_fn() gives the strategy
+        info once the gradients exist. True when the set of Gaussians may have changed."""
+        timer = self.timer
         with timer.phase("backward"):
             loss.backward()
+        info = info_fn()
         with timer.phase("optimizer"):
             self.optimizer_step(optimizers, info)
             if scheduler is not None:
@@ -90,7 +168,7 @@ class StepRunner:
         if changed:
             self.renderer.gaussians_changed()
         timer.step_done()
-        return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed)
+        return changed
 
     def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], info: dict[str, Any]) -> None:
         if self.fused_adam is None:
@@ -98,5 +176,6 @@ class StepRunner:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             return
-        visible = (info["radii"] > 0).all(dim=-1)[0] if self.sparse_adam else None
+        # drawn by any of the step's views (radii [B,N,2])
+        visible = (info["radii"] > 0).all(dim=-1).any(0) if self.sparse_adam else None
         self.fused_adam.step(optimizers, visible)

@@ -26,7 +26,7 @@ from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_la
 from gstrain.train.masking import prepare_mask
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
-from gstrain.train.step import StepRunner
+from gstrain.train.step import BatchView, StepRunner
 from gstrain.train.strategies import build_strategy
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer
@@ -266,17 +266,29 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """One optimisation step. Returns (loss, loss terms, render, target) as device tensors: no sync."""
-        with self.timer.phase("data"):
-            idx = self.sampler.next()
-            viewmat, K = self.train_cams[idx]
-            gt = self.train_images[idx].float() / 255.0
-        result = self.runner.run(
-            self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
-            scheduler=self.scheduler, mask=self.train_masks[idx],
-        )
+        if self.cfg.train.batch_size > 1:
+            with self.timer.phase("data"):
+                views = [self.batch_view(self.sampler.next()) for _ in range(self.cfg.train.batch_size)]
+            result = self.runner.run_batch(self.params, self.optimizers, step, views, self.active_sh_degree(),
+                                           self.background, scheduler=self.scheduler)  # fmt: skip
+            gt = views[0].gt  # the batch's first view stands for it in the train PSNR
+        else:
+            with self.timer.phase("data"):
+                idx = self.sampler.next()
+                viewmat, K = self.train_cams[idx]
+                gt = self.train_images[idx].float() / 255.0
+            result = self.runner.run(
+                self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
+                scheduler=self.scheduler, mask=self.train_masks[idx],
+            )
         if result.changed:  # the count is known on the host: no sync
             self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
         return result.loss, result.terms, result.image, gt
+
+    def batch_view(self, idx: int) -> BatchView:
+        """Training view `idx` as a batch step reads it (the target as floats in 0..1)."""
+        viewmat, K = self.train_cams[idx]
+        return BatchView(viewmat, K, self.train_images[idx].float() / 255.0, self.train_masks[idx])
 
     def fit(self, resume: bool = False) -> FitResult:
         cfg = self.cfg

@@ -50,36 +50,40 @@ class FastStatsStrategy(GsplatDefaultStrategy):
     until refine_stop, changes: gsplat gathers the visible Gaussians with torch.where and boolean
     indexing, three host syncs a step; here every Gaussian adds its norm or nothing (one kernel
     on the GPU), which gives the same grad2d and count. Cases that the dense form does not cover
-    (packed renders, several cameras, the radii statistic) go to gsplat's code.
+    (packed renders, the radii statistic) go to gsplat's code. Several cameras (a batch step,
+    means2d [B,N,2]) add each camera's norm, as gsplat does.
     """
 
     def _update_state(self, params, state, info, packed: bool = False) -> None:  # type: ignore[override]
-        if packed or self.refine_scale2d_stop_iter > 0 or info["n_cameras"] != 1:
+        if packed or self.refine_scale2d_stop_iter > 0:
             return super()._update_state(params, state, info, packed=packed)
         means2d = info[self.key_for_gradient]
         grads = means2d.absgrad if self.absgrad else means2d.grad
         n = len(params["means"])
+        cams = int(info["n_cameras"])  # B views of a batch step: each adds its own norm
         if state["grad2d"] is None:
             state["grad2d"] = torch.zeros(n, device=grads.device)
         if state["count"] is None:
             state["count"] = torch.zeros(n, device=grads.device)
-        scale_x = info["width"] / 2.0 * info["n_cameras"]
-        scale_y = info["height"] / 2.0 * info["n_cameras"]
-        radii = info["radii"].reshape(n, 2)
-        grads = grads.reshape(n, 2)
+        # the loss is the mean over the cameras: gsplat scales the gradients back by their number
+        scale_x = info["width"] / 2.0 * cams
+        scale_y = info["height"] / 2.0 * cams
+        radii = info["radii"].reshape(cams, n, 2)
+        grads = grads.reshape(cams, n, 2)
         if grads.is_cuda:
             from gstrain.train.step_ops import ensure_built
 
-            ensure_built().grad2d_stats(grads.float().contiguous(), radii.to(torch.int32).contiguous(),
-                                        scale_x, scale_y, state["grad2d"], state["count"])  # fmt: skip
+            for c in range(cams):
+                ensure_built().grad2d_stats(grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(),
+                                            scale_x, scale_y, state["grad2d"], state["count"])  # fmt: skip
             return None
         visible = (radii > 0).all(dim=-1)
         scaled = grads.clone()
-        scaled[:, 0] *= scale_x
-        scaled[:, 1] *= scale_y
+        scaled[..., 0] *= scale_x
+        scaled[..., 1] *= scale_y
         norms = scaled.norm(dim=-1)
-        state["grad2d"] += torch.where(visible, norms, torch.zeros_like(norms))
-        state["count"] += visible.to(state["count"].dtype)
+        state["grad2d"] += torch.where(visible, norms, torch.zeros_like(norms)).sum(0)
+        state["count"] += visible.to(state["count"].dtype).sum(0)
         return None
 
 
