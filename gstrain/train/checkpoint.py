@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -12,8 +13,10 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
+from gstrain.train.shards import gather_shards
 
-_CKPT_RE = re.compile(r"^step_(\d+)\.pt$")
+# step_<N>.pt, or the folder step_<N>.shards of a distributed run (train/shards.py)
+_CKPT_RE = re.compile(r"^step_(\d+)\.(pt|shards)$")
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -54,9 +57,17 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
     path = checkpoint_path(run_dir, step)
     atomic_torch_save(state, path)
     if keep > 0:
-        for _, old in list_checkpoints(run_dir)[:-keep]:
-            old.unlink(missing_ok=True)
+        remove_checkpoints(list_checkpoints(run_dir)[:-keep])
     return path
+
+
+def remove_checkpoints(old: list[tuple[int, Path]]) -> None:
+    """Delete checkpoints found by list_checkpoints (a sharded one is a folder)."""
+    for _, path in old:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def to_host(obj: Any) -> Any:
@@ -113,6 +124,8 @@ def load_latest_checkpoint(run_dir: Path, map_location: str | torch.device = "cp
     back to the one before it (it can only be corrupt if written by something other than us)."""
     for _step, path in reversed(list_checkpoints(run_dir)):
         try:
+            if path.is_dir():  # a distributed run's shards, gathered into the whole model
+                return gather_shards(path, map_location)
             return torch.load(path, map_location=map_location, weights_only=False)
         except Exception:  # noqa: BLE001 - any unreadable file: try the previous checkpoint
             continue

@@ -1,0 +1,305 @@
+"""Distributed training: each rank owns a shard of the Gaussians (and its Adam state) and renders
+the batch views whose home it is (sharded_render.py).
+
+Set-up: every rank builds the initial model from the same seed and takes rank 0's copy; rank 0
+profiles which training views touch which Gaussians, partitions them (dist.partition), picks each
+view's home rank, and reorders the model so that the shards are contiguous in rank order (the
+global row order of checkpoints). The step: the global batch of train.batch_size views is the
+sequence one process with that batch size draws (one sampler, same seed on every rank); each
+renderer divides its views' losses by B, so the summed gradient is that of the mean loss; each
+owner steps Adam on its rows and densifies with the statistics its Gaussians received (children
+stay with their parent's owner). W ranks with batch B equal one process with batch B, to float
+tolerance (sums run in another order).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from gstrain.config import Config
+from gstrain.data.scene import Scene
+from gstrain.dist.checkpoint import save_sharded
+from gstrain.dist.launch import collective_errors
+from gstrain.dist.partition import (
+    access_profile,
+    assign_homes,
+    make_partition,
+    morton_codes,
+    shard_indices,
+    view_owner_counts,
+)  # fmt: skip
+from gstrain.dist.sharded_render import ViewBatch, render_sharded
+from gstrain.errors import UserError
+from gstrain.metrics import psnr
+from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint
+from gstrain.train.masking import masked_loss
+from gstrain.train.optim import current_lrs
+from gstrain.train.run_record import FitResult, RunRecord, write_run_record
+from gstrain.train.shards import read_manifest, select_rows, shard_file
+from gstrain.train.trainer import Trainer, seed_everything
+
+__all__ = ["DistTrainer"]
+
+
+class _Signals:
+    """Ctrl-C / SIGTERM ask for a stop; the ranks agree on it at the next flag all-reduce. Never
+    aborts on a second signal: torchrun forwards SIGTERM after the terminal's SIGINT."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        def handler(signum: int, frame: Any) -> None:
+            self.requested = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+class DistTrainer(Trainer):
+    """Trainer on one rank of an initialised process group (torchrun or dist.local.run_local)."""
+
+    def __init__(self, cfg: Config, scene: Scene, run_dir: Path, device: torch.device, log=print) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.strategy.name != "default" or cfg.strategy.absgrad:
+            raise UserError("distributed training supports strategy.name=default without strategy.absgrad")
+        super().__init__(cfg, scene, run_dir, device, log=log if self.rank == 0 else (lambda m: None))
+        self.homes: list[int] = []
+        # rows of the partitioned model in the whole model's order before it (rank-major)
+        self.row_order = torch.arange(0)
+        for p in self.params.values():  # rank 0 decides the initial model
+            dist.broadcast(p.data, 0)
+        self._distribute()
+
+    # ----------------------------------------------------------------- partition
+    def _plan(self) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(global order of the rows, rows per rank, home of each training view): rank 0 only."""
+        cpu = {k: v.detach().cpu() for k, v in self.params.items()}
+        n = len(cpu["means"])
+        kind = self.cfg.dist.partition
+        base = torch.arange(n)
+        if kind == "locality" and self.world > 1:  # Morton order: locality shards become contiguous
+            base = torch.argsort(morton_codes(cpu["means"]), stable=True)
+        views = self.scene.train
+        prof = access_profile(cpu["means"][base], cpu["quats"][base], torch.exp(cpu["scales"][base]),
+                              torch.stack([v.viewmat for v in views]), torch.stack([v.K for v in views]),
+                              [v.width for v in views], [v.height for v in views])  # fmt: skip
+        owner = make_partition(kind, cpu["means"][base], prof.access_counts(), self.world, self.cfg.train.seed)
+        homes = assign_homes(view_owner_counts(prof, owner, self.world)).tolist()
+        shards = shard_indices(owner, self.world)
+        return base[torch.cat(shards)], [len(s) for s in shards], homes
+
+    def _distribute(self) -> None:
+        """Every rank holds the whole model: rank 0 plans, each rank keeps its rows."""
+        plan: list[Any] = [self._plan() if self.rank == 0 else None]
+        dist.broadcast_object_list(plan, src=0)
+        order, rows, self.homes = plan[0]
+        self.row_order = order
+        start = sum(rows[: self.rank])
+        self.load_state_dict(select_rows(self.state_dict(), order[start : start + rows[self.rank]]))
+        views = [self.homes.count(r) for r in range(self.world)]
+        self.log(f"gstrain: {self.world} ranks, dist.partition={self.cfg.dist.partition}: "
+                 f"Gaussians per rank {rows}, training views per rank {views}")  # fmt: skip
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "homes": list(self.homes)}
+
+    def resume(self) -> bool:
+        found = list_checkpoints(self.run_dir)
+        if not found:
+            return False
+        path = found[-1][1]
+        if path.is_dir() and int(read_manifest(path)["world"]) == self.world:
+            # same world size: each rank takes its own shard back (a bit-identical continuation)
+            state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
+            self.load_state_dict(state)
+            self.homes = list(state["homes"])
+            return True
+        state = load_latest_checkpoint(self.run_dir, map_location="cpu")  # whole, or shards gathered
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        self._distribute()  # another world size: partition again
+        return True
+
+    def save(self, wait: bool = False) -> Path:
+        rows: list[Any] = [None] * self.world
+        dist.all_gather_object(rows, len(self.params["means"]))
+        return save_sharded(self.run_dir, self.step, self.state_dict(), self.rank, self.world, rows,
+                            self.cfg.dist.partition, self.device, keep=self.cfg.log.keep_ckpts)  # fmt: skip
+
+    @contextmanager
+    def _whole_model(self):
+        """Rank 0 holds every rank's Gaussians (in the global order) inside the block."""
+        mine = {k: v.detach().cpu() for k, v in self.params.items()}
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        shard = self.params
+        if parts is not None:
+            self.params = torch.nn.ParameterDict(
+                {k: torch.nn.Parameter(torch.cat([p[k] for p in parts]).to(self.device)) for k in mine}
+            )
+        try:
+            yield self.rank == 0
+        finally:
+            self.params = shard
+
+    # ----------------------------------------------------------------- step
+    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any, Any]:
+        """One step of the global batch. Returns (this rank's share of the loss, terms, its first
+        rendered view and target, or None and None when it rendered none)."""
+        cfg, b = self.cfg, self.cfg.train.batch_size
+        with self.timer.phase("data"):
+            idx = [self.sampler.next() for _ in range(b)]
+            views = [self.scene.train[i] for i in idx]
+            batch = ViewBatch(torch.stack([self.train_cams[i][0] for i in idx]),
+                              torch.stack([self.train_cams[i][1] for i in idx]), [v.width for v in views],
+                              [v.height for v in views], [self.homes[i] for i in idx])  # fmt: skip
+        with self.timer.phase("forward"):
+            out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress)
+        self.strategy.step_pre_backward(self.params, self.optimizers, step, out.owner_info)
+        loss, terms, gts = out.zero_term, {}, []
+        with self.timer.phase("loss"):
+            for j, i in enumerate(out.views):
+                gts.append(self.train_images[idx[i]].float() / 255.0)
+                part, parts = masked_loss(self.runner.loss_fn, out.images[j], gts[-1], cfg.train.ssim_lambda,
+                                          self.train_masks[idx[i]], cfg.data.mask_mode, self.background)  # fmt: skip
+                loss = loss + part / b
+                for k, t in parts.items():
+                    terms[k] = terms.get(k, 0) + t.detach() / b
+        self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
+        image = out.images[0].detach() if out.views else None
+        return loss.detach(), terms, image, gts[0] if gts else None
+
+    # ----------------------------------------------------------------- loop
+    def fit(self, resume: bool = False) -> FitResult:
+        with collective_errors(self.rank, self.cfg.dist.timeout_s):
+            return self._fit(resume)
+
+    def _agree(self, loss: torch.Tensor, stop: bool, check_params: bool) -> tuple[float, int, bool, bool]:
+        """The one host sync of a sync step, and the only collective outside the render: the
+        summed loss, the Gaussian count, any rank's stop request and any non-finite parameter."""
+        bad = check_params and not self._params_finite()
+        flags = torch.tensor([0.0, len(self.params["means"]), float(stop), float(bad)], device=self.device)
+        flags[0] += loss.float()
+        dist.all_reduce(flags)
+        total, count, stops, bads = flags.tolist()
+        return total, int(count), stops > 0, bads > 0 or not math.isfinite(total)
+
+    def _fit(self, resume: bool) -> FitResult:
+        cfg, lead = self.cfg, self.rank == 0
+        if resume and not self.resume():
+            raise UserError(f"--resume: no checkpoint found under {self.run_dir / 'ckpt'}")
+        if not resume:
+            seed_everything(cfg.train.seed)
+        total = cfg.train.steps
+        end = cfg.train.stop_at or total
+        start_step = self.step
+        self.record = RunRecord(first_step=start_step, max_gaussians=0)
+        self._evaluated_at = -1
+        eval_steps, save_steps = set(cfg.log.eval_steps) | {end}, set(cfg.log.save_steps) | {end}
+        status, ckpt, saved_at, last_psnr = "done", None, -1, float("nan")
+        t_start = time.perf_counter()
+        bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not lead)
+        with _Signals() as signals:
+            while self.step < end:
+                self.timer.enabled = self.step % cfg.log.time_every == 0
+                loss, terms, image, gt = self.train_step(self.step)
+                self.step += 1
+                step = self.step
+                logging = step % cfg.log.tb_every == 0
+                saving = bool(cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end
+                # ranks agree every progress_every steps, not every step: each agreement is a host sync
+                if not (logging or saving or step % cfg.log.progress_every == 0 or step == end):
+                    continue
+                loss_value, count, stop, bad = self._agree(loss, signals.requested, saving)
+                self.record.max_gaussians = max(self.record.max_gaussians, count)
+                if bad:
+                    status = "nan"
+                    break
+                if image is not None:
+                    last_psnr = float(psnr(image, gt))
+                bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}", gaussians=count)
+                bar.update(step - bar.n)
+                if logging and lead:
+                    self._tb_scalars(step, loss_value, count)
+                if step in eval_steps or step in save_steps:
+                    self._evaluate_and_export(step, step in eval_steps, step in save_steps)
+                if saving or stop:
+                    ckpt, saved_at = self.save(), step
+                if stop:
+                    status = "interrupted"
+                    break
+        bar.close()
+        seconds = time.perf_counter() - t_start
+        if status == "done" and self.step < total:
+            status = "stopped"
+        if status == "interrupted":
+            self.log(f"gstrain: interrupted at step {self.step}; checkpoint saved to {ckpt}")
+        if status == "nan":
+            good = list_checkpoints(self.run_dir)
+            ckpt = good[-1][1] if good else None
+            self.log(f"gstrain: loss became NaN by step {self.step}; stopped. last good checkpoint: {ckpt}")
+        if ckpt is None and saved_at < 0:
+            good = list_checkpoints(self.run_dir)
+            ckpt = good[-1][1] if good else None
+        final = self._final_eval() if status in ("done", "stopped") else None
+        count = self._agree(torch.zeros(()), False, False)[1]
+        result = FitResult(status=status, step=self.step, seconds=seconds, num_gaussians=count,
+                           initial_test_psnr=None, final_test_psnr=final["psnr"] if final else None,
+                           checkpoint=ckpt, final_train_psnr=last_psnr if math.isfinite(last_psnr) else None)
+        if lead:
+            write_run_record(self.run_dir, self.record, result, final, None, "sharded", None, None, self.device)
+            if self.writer is not None:
+                self.writer.close()
+        return result
+
+    def _evaluate_and_export(self, step: int, evaluate: bool, export: bool) -> None:
+        if evaluate:
+            self._evaluated_at = step
+        with self._whole_model() as lead:
+            if not lead:
+                return
+            metrics = self.evaluate_test() if evaluate else None
+            if metrics is not None:
+                self.record.test_history.append({"step": step, **metrics})
+                self._tb().add_scalar("test/psnr", metrics["psnr"], step)
+                self._tb().add_scalar("test/ssim", metrics["ssim"], step)
+                tqdm.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
+            if export:
+                self.export_ply()
+
+    def _final_eval(self) -> dict[str, float] | None:
+        if self._evaluated_at == self.step:  # known on every rank: they gather together or not at all
+            last = self.record.test_history[-1] if self.record.test_history else None
+            return last if last is not None and last["step"] == self.step else None
+        with self._whole_model() as lead:
+            return self.evaluate_test() if lead else None
+
+    def _tb_scalars(self, step: int, loss: float, count: int) -> None:
+        tb = self._tb()
+        tb.add_scalar("train/loss", loss, step)
+        tb.add_scalar("train/num_gaussians", count, step)
+        for name, lr in current_lrs(self.optimizers).items():
+            tb.add_scalar(f"lr/{name}", lr, step)
+        for phase, ms in self.timer.summary().items():
+            tb.add_scalar(f"time_ms/{phase}", ms, step)
