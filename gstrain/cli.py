@@ -5,6 +5,7 @@ Bad input of any kind ends with one line on stderr and exit code 2, never a trac
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,7 +32,8 @@ def _err(message: str) -> None:
 
 
 def _log(message: str) -> None:
-    print(message, file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports (errors: every rank)
+        print(message, file=sys.stderr)
 
 
 def _flag_overrides(**flags: Any) -> dict[str, dict[str, Any]]:
@@ -88,6 +90,7 @@ def fit(
     """Train Gaussians on a COLMAP scene; writes checkpoints, PLY, TensorBoard logs to the run folder."""
     from gstrain.config import build_config, check_atomic_mode, merge_dict, parse_override, validate
     from gstrain.data.colmap import load_scene
+    from gstrain.dist.launch import finish_process_group, init_from_env, on_rank_zero, torchrun_world
     from gstrain.render import resolve_device
     from gstrain.run_dir import create_run_dir, default_run_dir, load_run, update_run_config
     from gstrain.train.trainer import Trainer
@@ -115,6 +118,11 @@ def fit(
         cfg = build_config(config, overrides)
         run_dir = out or default_run_dir(scene)
     dev = resolve_device(cfg.train.device)
+    world = torchrun_world()
+    if world > 1:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
+        if viewer:
+            raise UserError("--viewer is not available under torchrun; train on one process to watch it")
+        rank, world, dev = init_from_env(dev, cfg.dist.timeout_s)
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append)
     if len(loaded.points) == 0 and cfg.model.init != "random":
@@ -134,16 +142,22 @@ def fit(
 
         live = LiveViewer(cfg, loaded, log=_log)
     if resume:
-        update_run_config(run_dir, cfg)
+        on_rank_zero(lambda: update_run_config(run_dir, cfg))
     else:
-        create_run_dir(run_dir, scene, cfg)
-    trainer = Trainer(cfg, loaded, run_dir, dev, log=_log)
+        on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg))
+    if world > 1:
+        from gstrain.dist.trainer import DistTrainer
+
+        trainer = DistTrainer(cfg, loaded, run_dir, dev, log=_log)
+    else:
+        trainer = Trainer(cfg, loaded, run_dir, dev, log=_log)
     trainer.viewer = live
     try:
         result = trainer.fit(resume=resume)
     finally:
         if live is not None:
             live.close()
+        finish_process_group()
     parts = [f"{result.status} at step {result.step} in {result.seconds:.1f}s", f"{result.num_gaussians} Gaussians"]
     if result.initial_test_psnr is not None:
         parts.append(f"test PSNR {result.initial_test_psnr:.2f} -> {result.final_test_psnr or float('nan'):.2f} dB")

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from gstrain.errors import UserError
 
-__all__ = ["collective_errors", "init_from_env", "torchrun_world"]
+__all__ = ["collective_errors", "finish_process_group", "init_from_env", "on_rank_zero", "torchrun_world"]
 
 
 def torchrun_world() -> int:
@@ -54,3 +54,25 @@ def collective_errors(rank: int, timeout_s: float) -> Iterator[None]:
         first = (str(exc).strip().splitlines() or ["no message"])[0][:200]
         raise UserError(f"rank {rank}: distributed training stopped: another rank died or a collective "
                         f"waited past dist.timeout_s={timeout_s:g}s ({type(exc).__name__}: {first})") from None
+
+
+def on_rank_zero(fn: Callable[[], None]) -> None:
+    """fn() on rank 0 only (e.g. creating the run folder); its UserError is raised on every rank.
+    Without a process group, just fn()."""
+    if not dist.is_initialized():
+        fn()
+        return
+    message: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except UserError as exc:
+            message[0] = str(exc)
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UserError(message[0])
+
+
+def finish_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
