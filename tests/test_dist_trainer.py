@@ -4,6 +4,7 @@ global batch: bit for bit at W=1, to float tolerance at W=2 and W=3 (sums run in
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,4 +86,50 @@ def test_w_ranks_equal_one_process_with_batch_w(demo_scene, tmp_path, world, par
     assert all(len(r["params"]["means"]) > 0 for r in results)  # every rank owns a shard
     got, order = _whole(results), results[0]["order"]
     for k, v in expected.items():
+        torch.testing.assert_close(got[k], v[order], rtol=1e-4, atol=2e-5, msg=k)
+
+
+CKPT = {"train": {"batch_size": 2}, "optim": {"eps": 1e-7}, "log": {"progress_every": 3}}
+
+
+def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
+    """An uninterrupted W=2 run, and one paused at step 6 (train.stop_at) then resumed at W=2."""
+    whole = _dist_fit(rank, world, scene, f"{root}/whole", CKPT)
+    paused = _dist_fit(rank, world, scene, f"{root}/paused", {**CKPT, "train": {"batch_size": 2, "stop_at": 6}})
+    if rank == 0:  # the step-6 checkpoint, kept for the resumes at other world sizes
+        shutil.copytree(f"{root}/paused", f"{root}/at6")
+    torch.distributed.barrier()
+    resumed = _dist_fit(rank, world, scene, f"{root}/paused", CKPT, resume=True)
+    return {"whole": whole, "paused": paused, "resumed": resumed}
+
+
+def test_sharded_checkpoint_resumes_at_any_world_size(demo_scene, tmp_path):
+    for name in ("whole", "paused"):
+        (tmp_path / name).mkdir()
+    runs = run_local(_stop_and_resume, 2, str(demo_scene), str(tmp_path), timeout=120)
+    assert [r["paused"]["status"] for r in runs] == ["stopped", "stopped"]
+    assert all(r["paused"]["step"] == 6 and r["resumed"]["step"] == 12 for r in runs)
+    manifest = (tmp_path / "at6" / "ckpt" / "step_6.shards" / "manifest.json").read_text()
+    assert '"world": 2' in manifest
+    whole = _whole([r["whole"] for r in runs])
+    resumed = _whole([r["resumed"] for r in runs])
+    for k, v in whole.items():  # same world size: the continuation is the uninterrupted run
+        assert torch.equal(resumed[k], v), k
+
+    # W=1: the plain trainer reads the shards gathered into the global row order
+    cfg = _cfg(CKPT)
+    scene = load_scene(demo_scene, factor=1, test_every=cfg.data.test_every)
+    shutil.copytree(tmp_path / "at6", tmp_path / "w1")
+    plain = Trainer(cfg, scene, tmp_path / "w1", torch.device("cpu"), log=lambda m: None)
+    result = plain.fit(resume=True)
+    assert result.status == "done" and result.step == 12
+    for k, v in whole.items():
+        torch.testing.assert_close(plain.params[k].detach(), v, rtol=1e-4, atol=2e-5, msg=k)
+
+    # W=3: gathered, partitioned again, runs to the end
+    shutil.copytree(tmp_path / "at6", tmp_path / "w3")
+    three = run_local(_dist_fit, 3, str(demo_scene), str(tmp_path / "w3"), CKPT, True, timeout=120)
+    assert all(r["status"] == "done" and r["step"] == 12 for r in three)
+    got, order = _whole(three), three[0]["order"]
+    for k, v in whole.items():
         torch.testing.assert_close(got[k], v[order], rtol=1e-4, atol=2e-5, msg=k)
