@@ -73,23 +73,11 @@ def test_one_rank_is_the_plain_trainer_bit_for_bit(demo_scene, tmp_path):
         assert torch.equal(res["params"][k], v), k
 
 
-@pytest.mark.parametrize("world,partition", [(2, "locality"), (3, "round_robin")])
-def test_w_ranks_equal_one_process_with_batch_w(demo_scene, tmp_path, world, partition):
-    # optim.eps: Adam with eps=1e-15 turns rounding noise (a quaternion's gradient along itself,
-    # ~1e-10) into full-size steps of either sign; a larger eps keeps the comparison about the
-    # gradients, which the summation order changes only by rounding
-    over = {"train": {"batch_size": world}, "dist": {"partition": partition}, "optim": {"eps": 1e-7}}
-    expected = _plain(demo_scene, tmp_path / "plain", over)
-    (tmp_path / "dist").mkdir()
-    results = run_local(_dist_fit, world, str(demo_scene), str(tmp_path / "dist"), over, timeout=120)
-    assert all(r["status"] == "done" and r["step"] == 12 for r in results)
-    assert all(len(r["params"]["means"]) > 0 for r in results)  # every rank owns a shard
-    got, order = _whole(results), results[0]["order"]
-    for k, v in expected.items():
-        torch.testing.assert_close(got[k], v[order], rtol=1e-4, atol=2e-5, msg=k)
-
-
+# optim.eps: Adam with eps=1e-15 turns rounding noise (a quaternion's gradient along itself,
+# ~1e-10) into full-size steps of either sign; a larger eps keeps the comparisons about the
+# gradients, which another summation order changes only by rounding
 CKPT = {"train": {"batch_size": 2}, "optim": {"eps": 1e-7}, "log": {"progress_every": 3}}
+ROUND_ROBIN_B3 = {**CKPT, "train": {"batch_size": 3}, "dist": {"partition": "round_robin"}}
 
 
 def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
@@ -103,10 +91,27 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
     return {"whole": whole, "paused": paused, "resumed": resumed}
 
 
-def test_sharded_checkpoint_resumes_at_any_world_size(demo_scene, tmp_path):
-    for name in ("whole", "paused"):
+def _three(rank: int, world: int, scene: str, root: str) -> dict:
+    """W=3: a fresh run (round robin, B=3), and the W=2 step-6 checkpoint resumed."""
+    return {"fresh": _dist_fit(rank, world, scene, f"{root}/fresh3", ROUND_ROBIN_B3),
+            "resumed": _dist_fit(rank, world, scene, f"{root}/w3", CKPT, resume=True)}
+
+
+def _assert_equal_rows(results: list[dict], expected: dict[str, torch.Tensor]) -> None:
+    """The ranks' shards, concatenated, equal `expected` taken in the partition's row order."""
+    got, order = _whole(results), results[0]["order"]
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v[order], rtol=1e-4, atol=2e-5, msg=k)
+
+
+def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_path):
+    """W=2 (locality) and W=3 (round robin) equal one process with the same global batch; a
+    sharded checkpoint resumes at W=2 bit for bit, at W=1 (plain trainer) and at W=3."""
+    for name in ("whole", "paused", "fresh3"):
         (tmp_path / name).mkdir()
     runs = run_local(_stop_and_resume, 2, str(demo_scene), str(tmp_path), timeout=120)
+    _assert_equal_rows([r["whole"] for r in runs], _plain(demo_scene, tmp_path / "plain2", CKPT))
+    assert all(len(r["whole"]["params"]["means"]) > 0 for r in runs)  # every rank owns a shard
     assert [r["paused"]["status"] for r in runs] == ["stopped", "stopped"]
     assert all(r["paused"]["step"] == 6 and r["resumed"]["step"] == 12 for r in runs)
     manifest = (tmp_path / "at6" / "ckpt" / "step_6.shards" / "manifest.json").read_text()
@@ -128,8 +133,7 @@ def test_sharded_checkpoint_resumes_at_any_world_size(demo_scene, tmp_path):
 
     # W=3: gathered, partitioned again, runs to the end
     shutil.copytree(tmp_path / "at6", tmp_path / "w3")
-    three = run_local(_dist_fit, 3, str(demo_scene), str(tmp_path / "w3"), CKPT, True, timeout=120)
-    assert all(r["status"] == "done" and r["step"] == 12 for r in three)
-    got, order = _whole(three), three[0]["order"]
-    for k, v in whole.items():
-        torch.testing.assert_close(got[k], v[order], rtol=1e-4, atol=2e-5, msg=k)
+    three = run_local(_three, 3, str(demo_scene), str(tmp_path), timeout=120)
+    assert all(r["resumed"]["status"] == "done" and r["resumed"]["step"] == 12 for r in three)
+    _assert_equal_rows([r["resumed"] for r in three], whole)
+    _assert_equal_rows([r["fresh"] for r in three], _plain(demo_scene, tmp_path / "plain3", ROUND_ROBIN_B3))
