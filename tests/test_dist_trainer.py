@@ -77,6 +77,9 @@ def test_one_rank_is_the_plain_trainer_bit_for_bit(demo_scene, tmp_path):
 # ~1e-10) into full-size steps of either sign; a larger eps keeps the comparisons about the
 # gradients, which another summation order changes only by rounding
 CKPT = {"train": {"batch_size": 2}, "optim": {"eps": 1e-7}, "log": {"progress_every": 3}}
+# one refinement (step 4): after it, split children sit at random offsets drawn on each rank,
+# so later statistics (and counts) no longer match one process's draws
+REFINE = {**CKPT, "strategy": {"refine_start": 3, "refine_every": 4, "refine_stop": 6, "grow_grad2d": 2e-5}}
 ROUND_ROBIN_B3 = {**CKPT, "train": {"batch_size": 3}, "dist": {"partition": "round_robin"}}
 
 
@@ -88,7 +91,8 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
         shutil.copytree(f"{root}/paused", f"{root}/at6")
     torch.distributed.barrier()
     resumed = _dist_fit(rank, world, scene, f"{root}/paused", CKPT, resume=True)
-    return {"whole": whole, "paused": paused, "resumed": resumed}
+    refined = _dist_fit(rank, world, scene, f"{root}/refined", REFINE)
+    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined}
 
 
 def _three(rank: int, world: int, scene: str, root: str) -> dict:
@@ -107,11 +111,15 @@ def _assert_equal_rows(results: list[dict], expected: dict[str, torch.Tensor]) -
 def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_path):
     """W=2 (locality) and W=3 (round robin) equal one process with the same global batch; a
     sharded checkpoint resumes at W=2 bit for bit, at W=1 (plain trainer) and at W=3."""
-    for name in ("whole", "paused", "fresh3"):
+    for name in ("whole", "paused", "fresh3", "refined"):
         (tmp_path / name).mkdir()
     runs = run_local(_stop_and_resume, 2, str(demo_scene), str(tmp_path), timeout=120)
     _assert_equal_rows([r["whole"] for r in runs], _plain(demo_scene, tmp_path / "plain2", CKPT))
     assert all(len(r["whole"]["params"]["means"]) > 0 for r in runs)  # every rank owns a shard
+    # densification per owner, children kept by their parent's owner: the counts of one process
+    refined = _plain(demo_scene, tmp_path / "plain_refined", REFINE)
+    assert len(refined["means"]) != 400
+    assert sum(len(r["refined"]["params"]["means"]) for r in runs) == len(refined["means"])
     assert [r["paused"]["status"] for r in runs] == ["stopped", "stopped"]
     assert all(r["paused"]["step"] == 6 and r["resumed"]["step"] == 12 for r in runs)
     manifest = (tmp_path / "at6" / "ckpt" / "step_6.shards" / "manifest.json").read_text()
