@@ -118,11 +118,11 @@ def fit(
         cfg = build_config(config, overrides)
         run_dir = out or default_run_dir(scene)
     dev = resolve_device(cfg.train.device)
-    world = torchrun_world()
-    if world > 1:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
+    world = torchrun_world(cfg.dist.always)
+    if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
         if viewer:
             raise UserError("--viewer is not available under torchrun; train on one process to watch it")
-        rank, world, dev = init_from_env(dev, cfg.dist.timeout_s)
+        _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append)
     if len(loaded.points) == 0 and cfg.model.init != "random":
@@ -145,7 +145,7 @@ def fit(
         on_rank_zero(lambda: update_run_config(run_dir, cfg))
     else:
         on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg))
-    if world > 1:
+    if world:
         from gstrain.dist.trainer import DistTrainer
 
         trainer = DistTrainer(cfg, loaded, run_dir, dev, log=_log)

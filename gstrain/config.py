@@ -27,6 +27,7 @@ STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the o
 MASK_MODES = ("ignore", "background")
 PARTITIONS = ("locality", "random", "round_robin")  # gstrain.dist.partition.PARTITIONS
 COMPRESSIONS = ("none", "fp16")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -128,6 +129,9 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     partition: str = "locality"  # who owns which Gaussian: locality | random | round_robin
     compress: str = "none"  # records on the wire: none | fp16 (gradients too)
     timeout_s: float = 600.0  # a collective waiting longer than this ends the run (a rank died)
+    # auto: nccl on GPUs, gloo on the CPU; gloo on GPUs lets ranks share one GPU (correctness runs)
+    backend: str = "auto"
+    always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
 
 @dataclass
@@ -256,6 +260,7 @@ def validate(cfg: Config) -> Config:
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
+    choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")
     if cfg.dist.timeout_s <= 0:
         raise UserError(f"dist.timeout_s must be > 0; got {cfg.dist.timeout_s}")
     if cfg.train.batch_size < 1:

@@ -67,3 +67,17 @@ def test_batch_statistics_match_gsplat(demo_scene, tmp_path):
         a, b = fast.strategy.state[key], slow.strategy.state[key]
         assert a is not None and float(b.sum()) > 0
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-9), key
+
+
+def test_batch_and_dist_keys_are_validated():
+    import pytest
+
+    from gstrain.errors import UserError
+
+    for key, value in [("train.batch_size", 0), ("dist.partition", "nearest"), ("dist.compress", "int8"),
+                       ("dist.timeout_s", 0), ("dist.backend", "mpi")]:
+        section, name = key.split(".")
+        with pytest.raises(UserError, match=key.replace(".", r"\.")):
+            build_config(None, [{section: {name: value}}])
+    cfg = build_config(None, [{"dist": {"partition": "round_robin", "compress": "fp16"}, "train": {"batch_size": 4}}])
+    assert (cfg.dist.partition, cfg.dist.compress, cfg.train.batch_size) == ("round_robin", "fp16", 4)

@@ -63,9 +63,11 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 def _all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> Tensor:
     if rank_and_world(group)[1] == 1:
         return x.clone()
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
+    staged = x.is_cuda and dist.get_backend(group) == "gloo"  # gloo's all_to_all is host-only
+    src = x.cpu() if staged else x.contiguous()
+    out = src.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, src.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out.to(x.device) if staged else out
 
 
 def exchange_counts(

@@ -19,28 +19,37 @@ from gstrain.errors import UserError
 __all__ = ["collective_errors", "finish_process_group", "init_from_env", "on_rank_zero", "torchrun_world"]
 
 
-def torchrun_world() -> int:
-    """WORLD_SIZE as torchrun set it; 1 without torchrun."""
+def torchrun_world(always: bool = False) -> int:
+    """The number of ranks when `gstrain fit` takes the distributed path, else 0: WORLD_SIZE as
+    torchrun set it when above 1, or 1 with `always` (dist.always) under a one-process torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ["WORLD_SIZE"])
     except ValueError:
         raise UserError(f"WORLD_SIZE must be an integer; got {os.environ['WORLD_SIZE']!r}") from None
+    return world if world > 1 or always else 0
 
 
-def init_from_env(device: torch.device, timeout_s: float) -> tuple[int, int, torch.device]:
-    """Join torchrun's process group: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on the CPU.
+def init_from_env(device: torch.device, timeout_s: float, backend: str = "auto") -> tuple[int, int, torch.device]:
+    """Join torchrun's process group: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on the CPU;
+    backend=gloo on CUDA puts ranks on the GPUs round robin (several may share one).
     Returns (rank, world, this rank's device)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("dist.backend=nccl needs CUDA GPUs; use gloo (or auto) on the CPU")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        if local >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s): "
-                            "start at most one process per GPU (--nproc-per-node)")
-        device = torch.device("cuda", local)
+        gpus = torch.cuda.device_count()
+        if local >= gpus and backend == "nccl":
+            raise UserError(f"LOCAL_RANK {local} but only {gpus} GPU(s): start at most one process per GPU "
+                            "(--nproc-per-node), or share GPUs with --set dist.backend=gloo")
+        device = torch.device("cuda", local % gpus)
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return rank, world, device
 
