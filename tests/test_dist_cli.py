@@ -57,13 +57,18 @@ def _wait_training(proc: subprocess.Popen, run: Path) -> dict[int, int]:
     pytest.fail("torchrun did not start training in 90 s")
 
 
+def _signal_rank_one(scene: Path, run: Path, sig: int, extra: str) -> tuple[str, subprocess.Popen]:
+    """A long torchrun fit (W=2, a checkpoint every 5 steps); `sig` to rank 1 once it trains.
+    Returns (stderr, the finished process): it must end by itself, no hang."""
+    proc = _torchrun(scene, run, "--set", "log.progress_every=5", "--set", "log.ckpt_every=5", "--set", extra,
+                     steps=100_000)
+    os.kill(_wait_training(proc, run)[1], sig)
+    return proc.communicate(timeout=120)[1], proc
+
+
 def test_torchrun_fit_sigint_to_one_rank_stops_all_with_a_checkpoint(demo_scene, tmp_path):
     run = tmp_path / "run"
-    proc = _torchrun(demo_scene, run, "--set", "log.progress_every=5", "--set", "log.ckpt_every=5",
-                     "--set", "log.keep_ckpts=0", steps=100_000)
-    workers = _wait_training(proc, run)
-    os.kill(workers[1], signal.SIGINT)
-    _out, err = proc.communicate(timeout=120)
+    err, proc = _signal_rank_one(demo_scene, run, signal.SIGINT, "log.keep_ckpts=0")
     line = next(x for x in err.splitlines() if "interrupted at step" in x)
     step = int(line.split("interrupted at step ")[1].split(";")[0])
     assert step % 5 == 0  # the ranks agree at a flag all-reduce, every log.progress_every steps
@@ -79,11 +84,6 @@ def test_torchrun_fit_sigint_to_one_rank_stops_all_with_a_checkpoint(demo_scene,
 
 
 def test_killed_rank_ends_the_run_with_one_line(demo_scene, tmp_path):
-    run = tmp_path / "run"
-    proc = _torchrun(demo_scene, run, "--set", "log.progress_every=5", "--set", "log.ckpt_every=5",
-                     "--set", "dist.timeout_s=20", steps=100_000)
-    workers = _wait_training(proc, run)
-    os.kill(workers[1], signal.SIGKILL)
-    _out, err = proc.communicate(timeout=120)  # no hang: ends within the collective timeout
+    err, proc = _signal_rank_one(demo_scene, tmp_path / "run", signal.SIGKILL, "dist.timeout_s=20")
     assert proc.returncode != 0
     assert "gstrain: error: rank 0: distributed training stopped" in err, err[-2000:]

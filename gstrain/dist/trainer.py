@@ -130,7 +130,10 @@ class DistTrainer(Trainer):
         path = found[-1][1]
         if path.is_dir() and int(read_manifest(path)["world"]) == self.world:
             # same world size: each rank takes its own shard back (a bit-identical continuation)
-            state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
+            try:
+                state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
+            except Exception as exc:  # noqa: BLE001 - any unreadable shard: one line, not a traceback
+                raise UserError(f"cannot read {shard_file(path, self.rank)}: {exc}") from None
             self.load_state_dict(state)
             self.homes = list(state["homes"])
             return True
