@@ -131,6 +131,7 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     timeout_s: float = 600.0  # a collective waiting longer than this ends the run (a rank died)
     # auto: nccl on GPUs, gloo on the CPU; gloo on GPUs lets ranks share one GPU (correctness runs)
     backend: str = "auto"
+    reprofile_every: int = 0  # partition again every N steps (0: never): load follows densification
     always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
 
@@ -261,6 +262,8 @@ def validate(cfg: Config) -> Config:
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
     choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")
+    if cfg.dist.reprofile_every < 0:
+        raise UserError(f"dist.reprofile_every must be >= 0 (0: never); got {cfg.dist.reprofile_every}")
     if cfg.dist.timeout_s <= 0:
         raise UserError(f"dist.timeout_s must be > 0; got {cfg.dist.timeout_s}")
     if cfg.train.batch_size < 1:

@@ -92,7 +92,9 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
     torch.distributed.barrier()
     resumed = _dist_fit(rank, world, scene, f"{root}/paused", CKPT, resume=True)
     refined = _dist_fit(rank, world, scene, f"{root}/refined", REFINE)
-    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined}
+    # partitioned again at steps 4 and 8 (the rows move between ranks): the same training
+    moved = _dist_fit(rank, world, scene, f"{root}/moved", {**CKPT, "dist": {"reprofile_every": 4}})
+    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined, "moved": moved}
 
 
 def _three(rank: int, world: int, scene: str, root: str) -> dict:
@@ -111,10 +113,13 @@ def _assert_equal_rows(results: list[dict], expected: dict[str, torch.Tensor]) -
 def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_path):
     """W=2 (locality) and W=3 (round robin) equal one process with the same global batch; a
     sharded checkpoint resumes at W=2 bit for bit, at W=1 (plain trainer) and at W=3."""
-    for name in ("whole", "paused", "fresh3", "refined"):
+    for name in ("whole", "paused", "fresh3", "refined", "moved"):
         (tmp_path / name).mkdir()
     runs = run_local(_stop_and_resume, 2, str(demo_scene), str(tmp_path), timeout=120)
-    _assert_equal_rows([r["whole"] for r in runs], _plain(demo_scene, tmp_path / "plain2", CKPT))
+    plain2 = _plain(demo_scene, tmp_path / "plain2", CKPT)
+    _assert_equal_rows([r["whole"] for r in runs], plain2)
+    _assert_equal_rows([r["moved"] for r in runs], plain2)
+    assert not torch.equal(runs[0]["moved"]["order"], runs[0]["whole"]["order"])  # rows did move
     assert all(len(r["whole"]["params"]["means"]) > 0 for r in runs)  # every rank owns a shard
     # densification per owner, children kept by their parent's owner: the counts of one process
     refined = _plain(demo_scene, tmp_path / "plain_refined", REFINE)

@@ -40,12 +40,12 @@ from gstrain.dist.partition import (
 from gstrain.dist.sharded_render import ViewBatch, render_sharded
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
-from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint
+from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, to_host
 from gstrain.train.masking import masked_loss
 from gstrain.train.optim import current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
-from gstrain.train.shards import read_manifest, select_rows, shard_file
-from gstrain.train.trainer import Trainer, seed_everything
+from gstrain.train.shards import merge_shards, read_manifest, select_rows, shard_file
+from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
 
 __all__ = ["DistTrainer"]
 
@@ -107,17 +107,29 @@ class DistTrainer(Trainer):
         shards = shard_indices(owner, self.world)
         return base[torch.cat(shards)], [len(s) for s in shards], homes
 
-    def _distribute(self) -> None:
+    def _distribute(self, compose: bool = False) -> None:
         """Every rank holds the whole model: rank 0 plans, each rank keeps its rows."""
         plan: list[Any] = [self._plan() if self.rank == 0 else None]
         dist.broadcast_object_list(plan, src=0)
         order, rows, self.homes = plan[0]
-        self.row_order = order
+        # composed over re-partitions, so that it maps to the first partition's input
+        self.row_order = self.row_order[order] if compose else order
         start = sum(rows[: self.rank])
         self.load_state_dict(select_rows(self.state_dict(), order[start : start + rows[self.rank]]))
         views = [self.homes.count(r) for r in range(self.world)]
         self.log(f"gstrain: {self.world} ranks, dist.partition={self.cfg.dist.partition}: "
                  f"Gaussians per rank {rows}, training views per rank {views}")  # fmt: skip
+
+    def repartition(self) -> None:
+        """Partition again (dist.reprofile_every): every rank gathers the whole state (Gaussians,
+        Adam moments, statistics), rank 0 profiles and partitions it anew, each keeps its rows.
+        Each rank keeps its own random state. Collective."""
+        states: list[Any] = [None] * self.world
+        dist.all_gather_object(states, to_host(self.state_dict()))
+        own_rng = _rng_state()
+        self.load_state_dict(merge_shards(states))
+        self._distribute(compose=True)
+        _set_rng_state(own_rng)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -229,6 +241,8 @@ class DistTrainer(Trainer):
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step
+                if cfg.dist.reprofile_every and step % cfg.dist.reprofile_every == 0 and step < end:
+                    self.repartition()  # the same step on every rank
                 logging = step % cfg.log.tb_every == 0
                 saving = bool(cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end
                 # ranks agree every progress_every steps, not every step: each agreement is a host sync

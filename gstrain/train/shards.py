@@ -21,7 +21,7 @@ from gstrain.errors import UserError
 MANIFEST = "manifest.json"
 SUFFIX = ".shards"
 
-__all__ = ["MANIFEST", "SUFFIX", "gather_shards", "read_manifest", "select_rows", "shard_file"]
+__all__ = ["MANIFEST", "SUFFIX", "gather_shards", "merge_shards", "read_manifest", "select_rows", "shard_file"]
 
 
 def shard_file(folder: Path, rank: int) -> Path:
@@ -58,8 +58,14 @@ def _gather_optimizer(states: list[dict[str, Any]], rows: list[int]) -> dict[str
 def gather_shards(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """The whole-model checkpoint (the single-process trainer's format) of a sharded one."""
     manifest = read_manifest(folder)
-    world, rows = int(manifest["world"]), [int(n) for n in manifest["rows"]]
+    world = int(manifest["world"])
     shards = [torch.load(shard_file(folder, r), map_location=map_location, weights_only=False) for r in range(world)]
+    return merge_shards(shards)
+
+
+def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's trainer state (rank order) as the one state of the whole model."""
+    rows = [len(s["params"]["means"]) for s in shards]
     state = dict(shards[0])  # step, sampler, scheduler, config and rank 0's random state
     state["params"] = {k: torch.cat([s["params"][k] for s in shards]) for k in shards[0]["params"]}
     state["optimizers"] = {name: _gather_optimizer([s["optimizers"][name] for s in shards], rows)
