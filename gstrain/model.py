@@ -7,16 +7,16 @@ Parameters live in a torch.nn.ParameterDict with the names gsplat's strategies e
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from gstrain.errors import UserError
+from gstrain.files import write_atomic
 
 SH_C0 = 0.28209479177387814  # Y_0^0, the DC term of the real SH basis
 
@@ -316,18 +316,11 @@ def save_ply(params: Mapping[str, Tensor], path: Path, transform: np.ndarray | N
     header = "ply\nformat binary_little_endian 1.0\n" + f"element vertex {n}\n"
     header += "".join(f"property float {name}\n" for name in names) + "end_header\n"
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header.encode("ascii"))
-            f.write(data.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    def write(f: IO[bytes]) -> None:
+        f.write(header.encode("ascii"))
+        f.write(data.tobytes())
+
+    write_atomic(path, write)  # temp file + rename; a link or device at `path` is refused
 
 
 _PLY_TYPES = {
