@@ -248,7 +248,11 @@ def main() -> None:
     from gstrain.files import os_error_text
     from gstrain.signals import install_term_handler
 
-    install_term_handler()  # SIGTERM ends like Ctrl-C, from the first moment on
+    # pycolmap's logging library installs a native SIGTERM handler on import (a stack dump, no
+    # save): import it first, then install ours, so SIGTERM ends every command like Ctrl-C.
+    import pycolmap  # noqa: F401
+
+    install_term_handler()
     try:
         code = app(standalone_mode=False)
     except UserError as exc:

@@ -30,9 +30,6 @@ class FitRequest:
 
 def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
     from gstrain.data.colmap import load_scene
-    from gstrain.signals import install_term_handler
-
-    install_term_handler()  # again: importing pycolmap replaced it with a native one
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     try:
         loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append)

@@ -1,7 +1,7 @@
 """SIGTERM ends gstrain the way Ctrl-C does: as a KeyboardInterrupt that saves what it can.
 
 pycolmap's logging library installs native failure handlers on import (they dump a native
-stack on SIGTERM and kill the process), so the handler is installed again after that import.
+stack on SIGTERM and kill the process), so the CLI imports pycolmap before installing this.
 """
 
 from __future__ import annotations
