@@ -248,12 +248,12 @@ def main() -> None:
     from gstrain.files import os_error_text
     from gstrain.signals import install_term_handler
 
-    # pycolmap's logging library installs a native SIGTERM handler on import (a stack dump, no
-    # save): import it first, then install ours, so SIGTERM ends every command like Ctrl-C.
-    import pycolmap  # noqa: F401
-
-    install_term_handler()
     try:
+        # pycolmap's logging library installs a native SIGTERM handler on import (a stack dump,
+        # no save): import it first, then install ours, so SIGTERM ends every command like Ctrl-C.
+        import pycolmap  # noqa: F401
+
+        install_term_handler()
         code = app(standalone_mode=False)
     except UserError as exc:
         _err(str(exc))

@@ -92,24 +92,28 @@ def run_fit(req: FitRequest, log: Log) -> int:
         f"gstrain: {len(loaded.train)} train / {len(loaded.test)} test views at {view.width}x{view.height}, "
         f"{len(loaded.points)} SfM points, device {dev}" + (f", {threads} CPU threads" if dev.type == "cpu" else "")
     )
-    if plan is not None:
-        check_scene_fits(plan, loaded, scene)
-        commit_resume(run_dir, plan, log)
-    else:
-        if reuse:
-            log(f"gstrain: reusing {run_dir}: an earlier fit there stopped before its first checkpoint")
-        create_run_dir(run_dir, scene, cfg)
+    from gstrain.run_dir import is_run_dir
     from gstrain.train.trainer import Trainer
 
-    try:
+    if plan is not None:
+        check_scene_fits(plan, loaded, scene)
+    elif reuse:
+        log(f"gstrain: reusing {run_dir}: an earlier fit there stopped before its first checkpoint")
+    try:  # from the first write on, whatever stops the run says what the folder kept
+        if plan is not None:
+            commit_resume(run_dir, plan, log)
+        else:
+            create_run_dir(run_dir, scene, cfg)
         trainer = Trainer(cfg, loaded, run_dir, dev, log=log)
         result = trainer.fit(resume=req.resume, state=plan.state if plan is not None else None)
     except KeyboardInterrupt:
-        log("gstrain: stopped at once (a second interrupt, or one before training began)")
-        log(kept_line(run_dir, scene))
+        if is_run_dir(run_dir):
+            log("gstrain: stopped at once (a second interrupt, or one before training began)")
+            log(kept_line(run_dir, scene))
         raise
     except BaseException:
-        log(kept_line(run_dir, scene))
+        if is_run_dir(run_dir):
+            log(kept_line(run_dir, scene))
         raise
     return _report(result, cfg, scene, run_dir, log)
 
