@@ -268,7 +268,7 @@ def main() -> None:
     except click_exc.ClickException as exc:
         _err(" ".join(exc.format_message().split()))
         sys.exit(exc.exit_code or 1)
-    except (typer.Abort, click_exc.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
         sys.exit(130)
     except OSError as exc:  # a write that no layer expected to fail (full disk, read-only folder)
