@@ -38,21 +38,28 @@ def test_modes_agree_on_a_training_step(demo_scene):
     base = init_gaussians(scene.points, scene.point_colors, sh_degree=1, device="cuda")
     view = scene.train[0]
     gt = view.image.cuda().float() / 255
-    grads = {}
-    for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
-        cfg = build_config(overrides=[{"render": {"atomic_mode": mode}}])
+    grads, losses = {}, {}
+    # every mode, gsplat's rasterizer included, against the pure-PyTorch reference renderer
+    for mode in ("reference", "atomic", "warp", "distwar", "arc", "gsplat"):
+        render = {"backend": "reference"} if mode == "reference" else {"backend": "cuda", "atomic_mode": mode}
+        cfg = build_config(overrides=[{"render": render}])
         params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in base.items()})
         image, _, _ = Renderer(cfg.render, torch.device("cuda"))(
             params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height, 1, torch.zeros(3, device="cuda")
         )
         loss, _ = photometric_loss(image, gt)
         loss.backward()
+        losses[mode] = float(loss)
         grads[mode] = {k: p.grad.clone() for k, p in params.items()}
-    for mode in ("warp", "distwar", "arc"):
+    assert set(grads["reference"]) == {"means", "scales", "quats", "opacities", "sh0", "shN"}
+    for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
+        assert abs(losses[mode] - losses["reference"]) < 1e-4 * abs(losses["reference"]), mode
+        assert grads[mode].keys() == grads["reference"].keys(), mode
         for key, g in grads[mode].items():
-            ref = grads["atomic"][key]
-            err = (g - ref).norm() / ref.norm().clamp_min(1e-12)
-            assert err < 1e-4, (mode, key, float(err))
+            ref = grads["reference"][key]
+            assert ref.norm() > 0, key  # the reference's gradient is not trivially zero
+            err = (g - ref).norm() / ref.norm()
+            assert err < 1e-3, (mode, key, float(err))
 
 
 def test_depth_on_cuda_matches_reference(demo_scene):
@@ -90,7 +97,7 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
                                          "baseline"]
     for label, med in report["median_ms"].items():
         assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
-        assert 0 < med["peak_gib"] < 139, label
+        assert 0 < med["peak_gib"] <= torch.cuda.get_device_properties(0).total_memory / 2**30, label
     assert "step (wall clock) speedup vs baseline" in proc.stdout and "peak memory (GiB)" in proc.stdout
 
 
