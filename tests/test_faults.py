@@ -152,19 +152,25 @@ def test_only_checkpoint_garbage_says_so(run_copy: Path) -> None:
 
 
 # ------------------------------------------------------------ output errors, checkpoint first
-def test_full_disk_keeps_the_last_good_checkpoint(demo_scene: Path, tmp_path: Path, monkeypatch) -> None:
-    """The final checkpoint meets a full disk: one line naming it, the step-2 checkpoint intact,
-    and no PLY was written before it (the run's state comes first)."""
+def _disk_full_for(monkeypatch: pytest.MonkeyPatch, endings: tuple[str, ...]) -> None:
+    """The disk fills up when a file with one of these endings is put in place (the last step
+    of every atomic write), as a real ENOSPC would surface."""
     import gstrain.files
 
     real = gstrain.files.os.replace
 
     def replace(src, dst, *args, **kwargs):
-        if str(dst).endswith("step_4.pt") or str(dst).endswith(".ply"):
+        if str(dst).endswith(endings):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(gstrain.files.os, "replace", replace)
+
+
+def test_full_disk_keeps_the_last_good_checkpoint(demo_scene: Path, tmp_path: Path, monkeypatch) -> None:
+    """The final checkpoint meets a full disk: one line naming it, the step-2 checkpoint intact,
+    and no PLY was written before it (the run's state comes first)."""
+    _disk_full_for(monkeypatch, ("step_4.pt", ".ply"))
     run = tmp_path / "run"
     code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", *TINY, "--set", "log.save_steps=[4]")
     assert_one_error(code, err, "no space left on device", "step_4.pt")
@@ -175,16 +181,7 @@ def test_full_disk_keeps_the_last_good_checkpoint(demo_scene: Path, tmp_path: Pa
 
 
 def test_full_disk_on_the_ply_after_the_checkpoint(demo_scene: Path, tmp_path: Path, monkeypatch) -> None:
-    import gstrain.files
-
-    real = gstrain.files.os.replace
-
-    def replace(src, dst, *args, **kwargs):
-        if str(dst).endswith(".ply"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(gstrain.files.os, "replace", replace)
+    _disk_full_for(monkeypatch, (".ply",))
     run = tmp_path / "run"
     code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", *TINY, "--set", "log.save_steps=[4]")
     assert_one_error(code, err, "no space left on device", "point_cloud.ply")

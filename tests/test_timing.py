@@ -43,33 +43,30 @@ def test_backward_span_times_only_the_wrapped_op(clock):
     timer = PhaseTimer(torch.device("cpu"))
     x = torch.randn(4, requires_grad=True)
 
-    class Slow(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v):
-            return v * 2
+    def op(backward_ms: float):
+        """An identity-like op whose backward takes backward_ms on the fake clock."""
 
-        @staticmethod
-        def backward(ctx, g):
-            clock.advance(50)
-            return g * 2
+        class Op(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, v):
+                return v * 2
 
-    class Outside(torch.autograd.Function):  # runs in backward outside the span: not counted
-        @staticmethod
-        def forward(ctx, v):
-            return v * 1
+            @staticmethod
+            def backward(ctx, g):
+                clock.advance(backward_ms)
+                return g * 2
 
-        @staticmethod
-        def backward(ctx, g):
-            clock.advance(700)
-            return g
+        return Op.apply
+
+    slow, outside = op(50), op(700)  # outside the span: its time is not counted
 
     span = timer.backward_span("slow_bwd")
-    y = span.output(Slow.apply(span.input(Outside.apply(x * 3))))
+    y = span.output(slow(span.input(outside(x * 3))))
     (y.sum() * 1).backward()
     timer.step_done()
     summary = timer.summary()
     assert summary["slow_bwd"] == pytest.approx(50.0)
-    assert torch.allclose(x.grad, torch.full((4,), 6.0))  # the hooks are identities for gradients
+    assert torch.allclose(x.grad, torch.full((4,), 12.0))  # 3 * 2 * 2: the hooks are identities for gradients
 
 
 def test_untimed_steps_do_not_count(clock):
