@@ -7,7 +7,6 @@ through a turbo-like colour map normalised by robust percentiles.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -23,6 +22,7 @@ import torch
 
 from gstrain.data.scene import View
 from gstrain.errors import UserError
+from gstrain.frames import check_output, start_frames
 
 if TYPE_CHECKING:
     from gstrain.render import Renderer
@@ -366,53 +366,6 @@ def _output_kind(out: Path) -> bool:
     raise UserError(f"unsupported output '{out}': use FILE.mp4 for a video, or a folder (no suffix) for PNGs")
 
 
-FRAMES_MANIFEST = ".gstrain-frames.json"  # the PNGs a render wrote into a folder: all --force may remove
-
-
-def check_output(out: Path, is_video: bool, force: bool, ours: Path) -> None:
-    """Refuse an output that would replace files gstrain did not write; then check it is writable."""
-    from gstrain.files import check_replaceable, make_dir, os_error_text
-
-    if is_video:
-        if out.is_dir():
-            raise UserError(f"--out {out} is a folder; give a FILE.mp4 path")
-        check_replaceable(out)
-        inside_run = out.parent.resolve() == ours.resolve()
-        if out.exists() and not force and not inside_run:
-            raise UserError(f"--out {out} exists; pass --force to replace it, or choose another name")
-        folder = out.parent
-    else:
-        if out.exists() and not out.is_dir():
-            raise UserError(f"--out {out} exists and is not a folder")
-        if out.is_dir() and any(out.iterdir()):
-            if not (out / FRAMES_MANIFEST).is_file():
-                raise UserError(f"--out {out} holds files that gstrain did not write; choose a new or empty folder")
-            if not force:
-                raise UserError(f"--out {out} holds an earlier render's frames; pass --force to replace them")
-        folder = out
-    make_dir(folder)
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise UserError(os_error_text(exc, out)) from None
-
-
-def _remove_earlier_frames(folder: Path) -> None:
-    """Delete the PNGs an earlier render listed in the folder's manifest, and nothing else."""
-    manifest = folder / FRAMES_MANIFEST
-    if not manifest.is_file():
-        return
-    try:
-        names = json.loads(manifest.read_text()).get("frames", [])
-    except (OSError, ValueError, AttributeError):
-        raise UserError(f"{manifest} is unreadable; remove the folder's frames yourself") from None
-    for name in names:
-        if isinstance(name, str) and "/" not in name and re.fullmatch(r"\d{5}\.png", name):
-            (folder / name).unlink(missing_ok=True)
-    manifest.unlink()
-
-
 def _frame_renderer(
     renderer: Renderer,
     dev: torch.device,
@@ -446,14 +399,9 @@ def _write_frames(
     import imageio.v2 as imageio
     from tqdm import tqdm
 
-    from gstrain.files import write_text_atomic
-
     bar = tqdm(cams, desc="render", unit="frame", leave=False, dynamic_ncols=True)
     if not is_video:
-        _remove_earlier_frames(out)
-        names = [f"{i:05d}.png" for i in range(len(cams))]
-        # the manifest first: an interrupted render's frames are still known to be ours
-        write_text_atomic(out / FRAMES_MANIFEST, json.dumps({"frames": names}))
+        names = start_frames(out, len(cams))
         for name, cam in zip(names, bar, strict=True):
             imageio.imwrite(out / name, to_image(cam))
         return

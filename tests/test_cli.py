@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pycolmap
@@ -234,3 +236,13 @@ def test_profile_bad_flags(demo_scene):
     assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "fast"), "--atomic-mode must be one of")
     assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer mode")
     assert_user_error(run_cli("profile", demo_scene, "--iters", "0"), "--iters must be >= 1")
+
+
+def test_installed_console_script():
+    """The `gstrain` script pip installed beside this Python, not `python -m gstrain` from the tree."""
+    script = Path(sys.executable).parent / "gstrain"
+    assert script.is_file(), f"no console script at {script}: is the package installed (make setup)?"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "fit" in proc.stdout and "render" in proc.stdout, proc.stderr
+    bad = subprocess.run([str(script), "fit", "/nonexistent/scene"], capture_output=True, text=True, timeout=120)
+    assert_user_error(bad, "scene folder not found")
