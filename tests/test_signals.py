@@ -17,9 +17,9 @@ from cli_util import run_cli
 
 from gstrain.train.checkpoint import list_checkpoints
 
-STEPS = 60
-COMMON = ["--steps", str(STEPS), "--seed", "7", "--set", "log.progress_every=10", "--set", "model.sh_degree=1",
-          "--set", "log.ckpt_every=20", "--set", "strategy.refine_start=20", "--set", "strategy.refine_every=20"]
+STEPS = 40
+COMMON = ["--steps", str(STEPS), "--seed", "7", "--set", "log.progress_every=5", "--set", "model.sh_degree=1",
+          "--set", "log.ckpt_every=10", "--set", "strategy.refine_start=10", "--set", "strategy.refine_every=10"]
 GSTRAIN = Path(sys.executable).parent / "gstrain"  # the console script pip installed
 
 
@@ -66,12 +66,12 @@ def _resume_matches(run: Path, scene: Path, full: dict) -> str:
 def test_ctrl_c_mid_run_then_resume_equals_uninterrupted(demo_scene: Path, tmp_path: Path, full_run: dict) -> None:
     run = tmp_path / "run"
     proc = _start("fit", demo_scene, "--out", run, *COMMON)
-    _wait_for(run / "ckpt" / "step_20.pt", proc)
+    _wait_for(run / "ckpt" / "step_10.pt", proc)
     proc.send_signal(signal.SIGINT)
     err = _interrupted(proc)
     assert "checkpoint saved" in err
     step = list_checkpoints(run)[-1][0]
-    assert 20 <= step < STEPS
+    assert 10 <= step < STEPS
     _resume_matches(run, demo_scene, full_run)
 
 
@@ -94,7 +94,7 @@ def test_two_quick_ctrl_c_stop_at_once_and_say_what_was_kept(
 ) -> None:
     run = tmp_path / "run"
     proc = _start("fit", demo_scene, "--out", run, *COMMON)
-    _wait_for(run / "ckpt" / "step_20.pt", proc)
+    _wait_for(run / "ckpt" / "step_10.pt", proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
