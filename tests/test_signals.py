@@ -25,8 +25,11 @@ GSTRAIN = Path(sys.executable).parent / "gstrain"  # the console script pip inst
 
 def _start(*args: str | Path) -> subprocess.Popen:
     assert GSTRAIN.is_file(), f"the gstrain console script is not installed beside {sys.executable}"
+    # SIGINT as a terminal leaves it: a test runner started in the background inherits it ignored,
+    # and Python would then never turn Ctrl-C into KeyboardInterrupt
     return subprocess.Popen([str(GSTRAIN), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
