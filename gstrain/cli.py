@@ -275,6 +275,19 @@ def render(
 
 def main() -> None:
     """Console entry point: one line and exit 2 for bad input, whatever layer noticed it."""
+    code = _run_app()
+    # A late Ctrl-C or SIGTERM (say the second of two quick ones) must not land in the
+    # interpreter's exit handlers, where it ends in a traceback or a native abort: what the run
+    # kept has been saved and said by now.
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
+def _run_app() -> int:
+    """Run the command; its exit code, with every error turned into one line first."""
     from gstrain.files import os_error_text
     from gstrain.signals import install_term_handler
 
@@ -287,26 +300,26 @@ def main() -> None:
         code = app(standalone_mode=False)
     except UserError as exc:
         _err(str(exc))
-        sys.exit(2)
+        return 2
     except click_exc.NoArgsIsHelpError as exc:
         if exc.ctx is not None:
             print(exc.ctx.get_help())
-        sys.exit(0)
+        return 0
     except click_exc.UsageError as exc:
         _err(" ".join(exc.format_message().split()))
-        sys.exit(2)
+        return 2
     except click_exc.ClickException as exc:
         _err(" ".join(exc.format_message().split()))
-        sys.exit(exc.exit_code or 1)
+        return exc.exit_code or 1
     except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
-        sys.exit(130)
+        return 130
     except OSError as exc:  # a write that no layer expected to fail (full disk, read-only folder)
         _err(os_error_text(exc, exc.filename or "a file"))
-        sys.exit(2)
+        return 2
     if code == 130:  # fit's own interrupt: its lines said what was kept
         _err("interrupted")
-    sys.exit(code if isinstance(code, int) else 0)
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     # LPIPS runs exactly when the lpips package and its cached backbone are both here
     import importlib.util
 
-    from gstrain.evaluate import lpips_backbone_path
+    from gstrain.metrics import lpips_backbone_path
 
     can_lpips = importlib.util.find_spec("lpips") is not None and lpips_backbone_path().is_file()
     assert (metrics["lpips"] is not None) == can_lpips, metrics

@@ -108,7 +108,7 @@ def test_score_images_here():
     assert 0.0 < result["ssim"] < 1.0
     import importlib.util
 
-    from gstrain.evaluate import lpips_backbone_path
+    from gstrain.metrics import lpips_backbone_path
 
     # LPIPS has a value exactly when the package and its cached backbone are both on this machine
     can_lpips = importlib.util.find_spec("lpips") is not None and lpips_backbone_path().is_file()

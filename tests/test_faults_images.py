@@ -41,21 +41,24 @@ def test_notes_say_what_was_done(demo_scene: Path, odd_scene: Path) -> None:
     scene = load_scene(odd_scene)
     files = sorted(p.name for p in (odd_scene / "images").iterdir())
     notes = scene.notes
-    assert len(notes) == 4, notes
-    alpha, grey, size, extra = (next(n for n in notes if key in n) for key in
-                                ("alpha", "grayscale", "differ in size", "not in the sparse model"))
-    assert alpha.startswith("1 images") and files[1] in alpha and "alpha is ignored" in alpha
+    assert len(notes) == 5, notes
+    alpha, grey, size, extra, mask = (next(n for n in notes if key in n) for key in
+                                      ("alpha channel", "grayscale", "differ in size", "not in the sparse model",
+                                       "have a mask"))
+    assert alpha.startswith("1 images") and files[1] in alpha and "alpha is their mask" in alpha
+    assert "ignore every pixel" in mask  # that image's alpha is 0 everywhere
     assert grey.startswith("1 images") and files[2] in grey
     assert files[3] in size and "128x128, camera 64x64" in size and "resized to the camera's size" in size
     assert "intrinsics scaled" not in size
     assert extra.startswith("1 images") and "zz_extra.png" in extra
 
     # what the notes say is what happened: the big image was resized and its intrinsics kept,
-    # the RGBA image trains on its colours, the grey one on three equal channels
+    # the RGBA image keeps its colours with alpha as its mask (all ignored), the grey one has three equal channels
     big, ref = _view(scene, files[3]), _view(clean, files[3])
     assert tuple(big.image.shape) == (64, 64, 3)
     assert np.array_equal(big.K.numpy(), ref.K.numpy())
     assert np.array_equal(_view(scene, files[1]).image.numpy(), _view(clean, files[1]).image.numpy())
+    assert not _view(scene, files[1]).mask.any() and _view(clean, files[1]).mask is None
     grey_view = _view(scene, files[2]).image
     assert np.array_equal(grey_view[..., 0].numpy(), grey_view[..., 2].numpy())
     assert all(v.name != "zz_extra.png" for v in [*scene.train, *scene.test])
@@ -65,5 +68,5 @@ def test_fit_says_each_note_once(odd_scene: Path, tmp_path: Path) -> None:
     code, err = call_cli("fit", odd_scene, "--out", tmp_path / "run", "--steps", "1",
                          "--set", "model.sh_degree=0", "--set", "log.progress_every=1")
     assert code == 0, err
-    for key in ("alpha is ignored", "grayscale", "resized to the camera's size", "not in the sparse model"):
+    for key in ("alpha is their mask", "grayscale", "resized to the camera's size", "not in the sparse model"):
         assert err.count(key) == 1, (key, err)

@@ -191,7 +191,7 @@ class _ViewLoader:
         out = []
         if self.alpha:
             out.append(f"{len(self.alpha)} images have an alpha channel (e.g. {min(self.alpha)}); "
-                       "alpha is ignored for now: they train on their RGB colours")
+                       "where masks/ has no file for them, alpha is their mask (alpha < 0.5 is left out)")
         if self.grey:
             out.append(f"{len(self.grey)} images are grayscale (e.g. {min(self.grey)}); "
                        "their grey is used for all three colour channels")
