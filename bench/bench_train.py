@@ -73,8 +73,11 @@ def fit(cmd: list[str], run_dir: Path) -> tuple[dict, float]:
 
 
 def fit_command(scene: Path, run_dir: Path, mode: str, extra: list[str], device: str) -> list[str]:
+    flags = PIPELINES[mode]
+    if device == "cpu":  # the scripts' own CPU tests: every pipeline renders with the reference there
+        flags = [f for i, f in enumerate(flags) if "--backend" not in (f, flags[i - 1] if i else None)]
     return [sys.executable, "-m", "gstrain", "fit", str(scene), "--out", str(run_dir), "--device", device,
-            *COMMON, *PIPELINES[mode], *extra]
+            *COMMON, *flags, *extra]
 
 
 def save_run(out: Path, name: str, summary: dict) -> dict:

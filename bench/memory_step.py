@@ -93,7 +93,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         step = WorkloadSteps(work, variant)
-        strategy = step.runner.densifier.strategy
+        strategy = step.runner.strategy.gsplat
         # gsplat grows and prunes after step s when s > refine_start and s % refine_every == 0
         strategy.refine_start_iter = 0
         while step.step < strategy.refine_every - 1:

@@ -52,8 +52,8 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def divergence(a, b) -> dict[str, float]:
     """Largest relative difference over the parameter tensors, and over the strategy's statistics."""
     params = max(rel_diff(a.params[k].detach(), b.params[k].detach()) for k in a.params)
-    stats = [rel_diff(a.densifier.state[k], b.densifier.state[k]) for k in ("grad2d", "count")
-             if torch.is_tensor(a.densifier.state.get(k)) and torch.is_tensor(b.densifier.state.get(k))]
+    stats = [rel_diff(a.strategy.state[k], b.strategy.state[k]) for k in ("grad2d", "count")
+             if torch.is_tensor(a.strategy.state.get(k)) and torch.is_tensor(b.strategy.state.get(k))]
     return {"params": params, "stats": max(stats) if stats else float("nan")}
 
 

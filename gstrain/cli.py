@@ -46,6 +46,7 @@ def _flag_overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "backend": ("render", "backend"),
         "atomic_mode": ("render", "atomic_mode"),
         "atomic_threshold": ("render", "atomic_threshold"),
+        "threads": ("train", "threads"),
     }
     out: dict[str, dict[str, Any]] = {}
     for name, value in flags.items():
@@ -67,6 +68,12 @@ DeviceOpt = Annotated[str | None, typer.Option(help="auto | cpu | cuda (auto: th
 FactorOpt = Annotated[int | None, typer.Option(help="Downscale images by this factor (uses images_N/ if present).")]
 
 
+AllowOlderOpt = Annotated[bool, typer.Option(
+    "--allow-older-checkpoint",
+    help="When the newest checkpoint is damaged, use the newest readable one (and say which).",
+)]
+
+
 @app.command()
 def fit(
     scene: Annotated[Path, typer.Argument(help="COLMAP scene folder: images/ and sparse/0 (or sparse/).")],
@@ -84,105 +91,39 @@ def fit(
         str | None, typer.Option(help="Backward reduction of our CUDA rasterizer: atomic | warp | distwar | arc.")
     ] = None,
     atomic_threshold: Annotated[int | None, typer.Option(help="distwar's lane threshold T (1..32).")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for torch (0: auto; train.threads).")] = None,
+    allow_older_checkpoint: AllowOlderOpt = False,
     set_: SetOpt = None,
     viewer: Annotated[bool, typer.Option("--viewer", help="Watch it train in the browser (viewer.port, ...).")] = False,
 ) -> None:
     """Train Gaussians on a COLMAP scene; writes checkpoints, PLY, TensorBoard logs to the run folder."""
-    from gstrain.config import build_config, check_atomic_mode, merge_dict, parse_override, validate
-    from gstrain.data.colmap import load_scene
-    from gstrain.dist.launch import finish_process_group, init_from_env, on_rank_zero, torchrun_world
-    from gstrain.render import resolve_device
-    from gstrain.run_dir import create_run_dir, default_run_dir, load_run, update_run_config
-    from gstrain.train.trainer import Trainer
+    from gstrain.config import check_atomic_mode
+    from gstrain.fit_run import FitRequest, run_fit
 
-    if not scene.exists():
-        raise UserError(f"scene folder not found: {scene}")
     if atomic_mode is not None:
         check_atomic_mode(atomic_mode, flag=True)
     overrides = [_flag_overrides(
         steps=steps, seed=seed, device=device, factor=factor, backend=backend,
-        atomic_mode=atomic_mode, atomic_threshold=atomic_threshold,
+        atomic_mode=atomic_mode, atomic_threshold=atomic_threshold, threads=threads,
     )]
-    overrides += [parse_override(s) for s in (set_ or [])]
-    if resume:
-        run_dir = out or Path("runs") / scene.resolve().name
-        cfg, _meta = load_run(run_dir)
-        for path in config or []:
-            from gstrain.config import load_yaml
-
-            merge_dict(cfg, load_yaml(path), origin=str(path))
-        for update in overrides:
-            merge_dict(cfg, update, origin="command line")
-        validate(cfg)
-    else:
-        cfg = build_config(config, overrides)
-        run_dir = out or default_run_dir(scene)
-    dev = resolve_device(cfg.train.device)
-    world = torchrun_world(cfg.dist.always)
-    if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
-        if viewer:
-            raise UserError("--viewer is not available under torchrun; train on one process to watch it")
-        _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
-    messages: list[str] = []  # held back so that bad input still ends with exactly one line
-    loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append)
-    if len(loaded.points) == 0 and cfg.model.init != "random":
-        raise UserError(
-            f"the sparse model in {scene} has no 3D points; pass --set model.init=random to start from random points"
-        )
-    for note in [*messages, *loaded.notes]:
-        _log(note if note.startswith("gstrain:") else f"gstrain: {note}")
-    view = loaded.train[0] if loaded.train else loaded.test[0]
-    _log(
-        f"gstrain: {len(loaded.train)} train / {len(loaded.test)} test views at {view.width}x{view.height}, "
-        f"{len(loaded.points)} SfM points, device {dev}"
-    )
-    live = None
-    if viewer:  # before the run folder exists: a busy port is bad input like any other
-        from gstrain.viewer.live import LiveViewer
-
-        live = LiveViewer(cfg, loaded, log=_log)
-    if resume:
-        on_rank_zero(lambda: update_run_config(run_dir, cfg))
-    else:
-        on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg))
-    if world:
-        from gstrain.dist.trainer import DistTrainer
-
-        trainer = DistTrainer(cfg, loaded, run_dir, dev, log=_log)
-    else:
-        trainer = Trainer(cfg, loaded, run_dir, dev, log=_log)
-    trainer.viewer = live
-    try:
-        result = trainer.fit(resume=resume)
-    finally:
-        if live is not None:
-            live.close()
-        finish_process_group()
-    parts = [f"{result.status} at step {result.step} in {result.seconds:.1f}s", f"{result.num_gaussians} Gaussians"]
-    if result.initial_test_psnr is not None:
-        parts.append(f"test PSNR {result.initial_test_psnr:.2f} -> {result.final_test_psnr or float('nan'):.2f} dB")
-    elif result.final_test_psnr is not None:
-        parts.append(f"test PSNR {result.final_test_psnr:.2f} dB")
-    _log("gstrain: " + ", ".join(parts) + f"; run folder {run_dir}")
-    if result.status == "interrupted":
-        _log(f"gstrain: resume with: gstrain fit {scene} --out {run_dir} --resume")
-        raise typer.Exit(130)
-    if result.status == "stopped":
-        _log(f"gstrain: paused at train.stop_at={cfg.train.stop_at} of {cfg.train.steps} steps; go on with: "
-             f"gstrain fit {scene} --out {run_dir} --resume --set train.stop_at=0")
-    if result.status == "nan":
-        raise typer.Exit(3)
+    request = FitRequest(scene=scene, out=out, resume=resume, config_files=list(config or []),
+                         overrides=overrides, sets=list(set_ or []), allow_older=allow_older_checkpoint,
+                         viewer=viewer)
+    code = run_fit(request, log=_log)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("eval")
 def eval_(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
     device: DeviceOpt = None,
+    allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
     """Render the held-out views and score them (PSNR, SSIM, LPIPS when available offline)."""
     from gstrain.evaluate import evaluate_run
 
-    metrics = evaluate_run(run, device=device or "auto", log=_log)
+    metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint)
     lp = metrics.get("lpips")
     lp_text = f"{lp:.4f}" if lp is not None else f"n/a ({metrics.get('lpips_note', 'unavailable')})"
     print(
@@ -202,18 +143,20 @@ def export(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
     format: Annotated[str, typer.Option("--format", help="Export format: ply | splat | ply-compressed.")] = "ply",
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
+    allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
     """Export the latest checkpoint's Gaussians for viewers (3DGS PLY, .splat, compressed PLY)."""
+    from gstrain.files import check_replaceable
     from gstrain.formats import check_format, default_export_name, export_gaussians
-    from gstrain.run_dir import load_run
-    from gstrain.train.checkpoint import require_checkpoint
+    from gstrain.run_dir import open_run
 
     check_format(format)
-    load_run(run)
-    state = require_checkpoint(run)
-    path = out or run / "point_cloud" / f"iteration_{state['step']}" / default_export_name(format)
-    count = export_gaussians(state["params"], path, format)
-    print(f"wrote {count} Gaussians (step {state['step']}, {format}) to {path}")
+    if out is not None:
+        check_replaceable(out)  # before any work: a link or device is refused, never replaced
+    opened = open_run(run, allow_older=allow_older_checkpoint, log=_log, load_views=False, renderer=False)
+    path = out or run / "point_cloud" / f"iteration_{opened.step}" / default_export_name(format)
+    count = export_gaussians(opened.params, path, format)
+    print(f"wrote {count} Gaussians (step {opened.step}, {format}) to {path}")
 
 
 @app.command()
@@ -314,13 +257,17 @@ def render(
     size: Annotated[str | None, typer.Option(help="Output size WxH (default: the dataset's).")] = None,
     frames: Annotated[int, typer.Option(help="Frames along an orbit or spiral.")] = 120,
     device: DeviceOpt = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace the frames of an earlier render in --out (only those), or an existing FILE.mp4."
+    )] = False,
+    allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
     """Render the trained Gaussians along a camera path to an MP4 or PNG frames."""
     from gstrain.video import render_run
 
     report = render_run(
         run, path=path, out=out, what=what, fps=fps, size=size, device=device or "auto", log=_log,
-        n_frames=frames,
+        n_frames=frames, force=force, allow_older=allow_older_checkpoint,
     )  # fmt: skip
     print(
         f"rendered {report.frames} {what} frames at {report.width}x{report.height} ({report.backend}) "
@@ -330,25 +277,51 @@ def render(
 
 def main() -> None:
     """Console entry point: one line and exit 2 for bad input, whatever layer noticed it."""
+    code = _run_app()
+    # A late Ctrl-C or SIGTERM (say the second of two quick ones) must not land in the
+    # interpreter's exit handlers, where it ends in a traceback or a native abort: what the run
+    # kept has been saved and said by now.
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
+def _run_app() -> int:
+    """Run the command; its exit code, with every error turned into one line first."""
+    from gstrain.files import os_error_text
+    from gstrain.signals import install_term_handler
+
     try:
+        # pycolmap's logging library installs a native SIGTERM handler on import (a stack dump,
+        # no save): import it first, then install ours, so SIGTERM ends every command like Ctrl-C.
+        import pycolmap  # noqa: F401
+
+        install_term_handler()
         code = app(standalone_mode=False)
     except UserError as exc:
         _err(str(exc))
-        sys.exit(2)
+        return 2
     except click_exc.NoArgsIsHelpError as exc:
         if exc.ctx is not None:
             print(exc.ctx.get_help())
-        sys.exit(0)
+        return 0
     except click_exc.UsageError as exc:
         _err(" ".join(exc.format_message().split()))
-        sys.exit(2)
+        return 2
     except click_exc.ClickException as exc:
         _err(" ".join(exc.format_message().split()))
-        sys.exit(exc.exit_code or 1)
+        return exc.exit_code or 1
     except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        return 130
+    except OSError as exc:  # a write that no layer expected to fail (full disk, read-only folder)
+        _err(os_error_text(exc, exc.filename or "a file"))
+        return 2
+    if code == 130:  # fit's own interrupt: its lines said what was kept
+        _err("interrupted")
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Unknown keys and values of the wrong type are user errors (exit 2), never silent
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 
 from gstrain.errors import UserError
+from gstrain.files import write_text_atomic
 from gstrain.train.strategies.registry import STRATEGY_NAMES
 
 # The rasterizer: our CUDA kernels, the PyTorch reference, or gsplat's own rasterize_to_pixels
@@ -75,8 +77,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     fused_ssim: bool = True  # the fused CUDA SSIM kernels on a GPU (the convolutions on the CPU either way)
     stop_at: int = 0  # pause after this step (0: run to `steps`); schedules still span `steps`
+    threads: int = 0  # CPU threads for torch (0: auto, see gstrain/threads.py)
     # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
-    # torchrun it is the GLOBAL batch, split over the ranks (a multiple of the number of ranks)
+    # torchrun it is the GLOBAL batch: each view is rendered by its home rank
     batch_size: int = 1
 
 
@@ -161,33 +164,20 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         return [_coerce(v, item_type, key) for v in value]
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"unsupported annotation for {key}")  # not used by our dataclasses
+    # Strings are never numbers or booleans: `steps: "7"` is a quoted string in YAML, a mistake.
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
         raise UserError(f"config key '{key}' expects true/false, got {value!r}")
     if annotation is int:
-        if isinstance(value, bool):
-            raise UserError(f"config key '{key}' expects an integer, got {value!r}")
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
         raise UserError(f"config key '{key}' expects an integer, got {value!r}")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
         raise UserError(f"config key '{key}' expects a number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):
@@ -221,12 +211,27 @@ def merge_dict(cfg: Config, updates: dict[str, Any], origin: str = "config") -> 
     return cfg
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` (no dot) as a string; as in YAML 1.2, it is a float here."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _yaml(path.read_text())
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else "parse error"
         raise UserError(f"config file {path} is not valid YAML: {first}") from None
@@ -240,7 +245,7 @@ def parse_override(text: str) -> dict[str, Any]:
     dotted, raw = text.split("=", 1)
     section, key = dotted.split(".", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return {section: {key: value}}
@@ -290,6 +295,7 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"log.time_every must be >= 1; got {cfg.log.time_every}")
     if not 0.0 <= cfg.train.ssim_lambda <= 1.0:
         raise UserError(f"train.ssim_lambda must be in [0, 1]; got {cfg.train.ssim_lambda}")
+    _validate_ranges(cfg)
     return cfg
 
 
@@ -313,6 +319,34 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
         render = {**render, "backend": "gsplat", "atomic_mode": RenderConfig.atomic_mode}
         data = {**data, "render": render}
     return data
+def _validate_ranges(cfg: Config) -> None:
+    """Values that pass the type check but would crash or silently misbehave later."""
+    at_least = {
+        "log.progress_every": (cfg.log.progress_every, 1), "log.tb_every": (cfg.log.tb_every, 1),
+        "train.sh_degree_interval": (cfg.train.sh_degree_interval, 1),
+        "log.ckpt_every": (cfg.log.ckpt_every, 0), "log.keep_ckpts": (cfg.log.keep_ckpts, 0),
+        "data.test_every": (cfg.data.test_every, 0), "model.init_points": (cfg.model.init_points, 1),
+        "train.threads": (cfg.train.threads, 0), "train.seed": (cfg.train.seed, 0),
+        "strategy.cap_max": (cfg.strategy.cap_max, 1),
+    }
+    for key, (value, low) in at_least.items():
+        if value < low:
+            raise UserError(f"{key} must be >= {low}; got {value}")
+    for name in ("means_lr", "means_lr_final", "scales_lr", "quats_lr", "opacities_lr", "sh0_lr", "shN_lr"):
+        value = getattr(cfg.optim, name)
+        if not value >= 0.0 or value == float("inf"):  # also NaN
+            raise UserError(f"optim.{name} must be a learning rate >= 0; got {value}")
+    if not cfg.optim.eps > 0.0:
+        raise UserError(f"optim.eps must be > 0; got {cfg.optim.eps}")
+    if not 0.0 < cfg.model.init_opacity < 1.0:
+        raise UserError(f"model.init_opacity must be in (0, 1) (it is stored as a logit); got {cfg.model.init_opacity}")
+    if not cfg.model.init_scale > 0.0:
+        raise UserError(f"model.init_scale must be > 0; got {cfg.model.init_scale}")
+    if not all(0.0 <= c <= 1.0 for c in cfg.data.background):
+        raise UserError(f"data.background must be three numbers in [0, 1]; got {cfg.data.background}")
+    for key in ("eval_steps", "save_steps"):
+        if any(s < 1 for s in getattr(cfg.log, key)):
+            raise UserError(f"log.{key} must list steps >= 1; got {getattr(cfg.log, key)}")
 
 
 def build_config(
@@ -320,12 +354,35 @@ def build_config(
     overrides: list[dict[str, Any]] | None = None,
 ) -> Config:
     """Defaults <- each YAML file in order <- each override mapping in order, then validated."""
-    cfg = Config()
+    return merge_config(Config(), config_files, overrides)
+
+
+def merge_config(
+    cfg: Config,
+    config_files: list[str | Path] | None = None,
+    overrides: list[dict[str, Any]] | None = None,
+) -> Config:
+    """cfg <- each YAML file in order <- each override mapping in order, then validated (in place)."""
     for path in config_files or []:
         merge_dict(cfg, load_yaml(path), origin=str(path))
     for update in overrides or []:
         merge_dict(cfg, update, origin="command line")
     return validate(cfg)
+
+
+# What a run is built on: changing one of these on --resume would not fit its checkpoint or its views.
+RUN_FIXED_KEYS = ("data.factor", "data.test_every", "model.sh_degree", "strategy.name")
+
+
+def changed_fixed_keys(old: Config, new: Config) -> list[str]:
+    """'key: old -> new' for each RUN_FIXED_KEYS entry that differs."""
+    changed = []
+    for dotted in RUN_FIXED_KEYS:
+        section, key = dotted.split(".")
+        a, b = getattr(getattr(old, section), key), getattr(getattr(new, section), key)
+        if a != b:
+            changed.append(f"{dotted}: {a} -> {b}")
+    return changed
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -334,4 +391,4 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

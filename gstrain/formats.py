@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gstrain.atomic_io import write_bytes_atomic
 from gstrain.errors import UserError
+from gstrain.files import write_atomic
 
 FORMATS = ("ply", "splat", "ply-compressed")
 SUFFIXES = {"ply": ".ply", "splat": ".splat", "ply-compressed": ".compressed.ply"}
@@ -50,7 +50,7 @@ def export_gaussians(params: Mapping[str, Tensor], path: Path, fmt: str) -> int:
     data = export_splats(
         p["means"], p["scales"], p["quats"], p["opacities"], p["sh0"], p["shN"], format=_GSPLAT_NAMES[fmt]
     )
-    write_bytes_atomic(path, data)
+    write_atomic(path, lambda fh: fh.write(data))  # temp file + rename; links and devices refused
     if fmt == "splat":
         return len(data) // 32
     finite = torch.stack([torch.isfinite(v.reshape(len(v), -1)).all(1) for v in p.values()]).all(0)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from gstrain.atomic_io import write_bytes_atomic
 from gstrain.errors import UserError
+from gstrain.files import write_atomic
 
 SH_C0 = 0.28209479177387814  # Y_0^0, the DC term of the real SH basis
 
@@ -315,7 +316,11 @@ def save_ply(params: Mapping[str, Tensor], path: Path, transform: np.ndarray | N
     header = "ply\nformat binary_little_endian 1.0\n" + f"element vertex {n}\n"
     header += "".join(f"property float {name}\n" for name in names) + "end_header\n"
 
-    write_bytes_atomic(path, header.encode("ascii") + data.tobytes())
+    def write(f: IO[bytes]) -> None:
+        f.write(header.encode("ascii"))
+        f.write(data.tobytes())
+
+    write_atomic(path, write)  # temp file + rename; a link or device at `path` is refused
 
 
 _PLY_TYPES = {

@@ -83,20 +83,16 @@ def load_workload(
     test_garden-style .npz (means3d, colors, viewmats, Ks, width, height)."""
     from gstrain.data.colmap import load_scene
     from gstrain.model import init_gaussians
-    from gstrain.render.sh import sh_degree_at
-    from gstrain.run_dir import is_run_dir, load_run
-    from gstrain.train.checkpoint import require_checkpoint
+    from gstrain.run_dir import is_run_dir, open_run, run_scene
 
     if not target.exists():
         raise UserError(f"profile target not found: {target}")
     if target.suffix == ".npz":
         return _npz_workload(target, cfg, device, npz_scale)
     if is_run_dir(target):
-        run_cfg, meta = load_run(target)
-        state = require_checkpoint(target)
-        scene = load_scene(Path(meta["scene"]), factor=factor or run_cfg.data.factor)
-        degree = sh_degree_at(int(state["step"]), run_cfg.train.sh_degree_interval, run_cfg.model.sh_degree)
-        return _views_workload(target.name, state["params"], scene.train, scene.extent, degree, device)
+        run = open_run(target, load_views=factor is None, renderer=False)
+        scene = run.scene or load_scene(run_scene(target, run.meta), factor=factor)
+        return _views_workload(target.name, run.params, scene.train, scene.extent, run.sh_degree, device)
     scene = load_scene(target, factor=factor or cfg.data.factor, test_every=cfg.data.test_every)
     if len(scene.points) == 0:
         raise UserError(f"the sparse model in {target} has no 3D points to profile with")

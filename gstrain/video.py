@@ -5,7 +5,6 @@ normalised by robust percentiles.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import time
@@ -19,6 +18,7 @@ import torch
 
 from gstrain.camera_paths import PATHS, Camera, camera_path, parse_size, scale_camera
 from gstrain.errors import UserError
+from gstrain.frames import check_output, start_frames
 
 if TYPE_CHECKING:
     from gstrain.render import Renderer
@@ -101,17 +101,16 @@ def render_run(
     device: str = "auto",
     log: Callable[[str], None] = print,
     n_frames: int = 120,
+    force: bool = False,
+    allow_older: bool = False,
 ) -> RenderReport:
     """Render the run's latest Gaussians along a camera path to FILE.mp4 or to a folder of PNGs.
 
-    out defaults to <run>/renders/<path>_<what>.mp4. Raises UserError for bad input.
+    out defaults to <run>/renders/<path>_<what>.mp4. PNG frames go into a new or empty folder,
+    or with `force` into one holding an earlier render's frames (only those are removed); an
+    existing FILE.mp4 outside <run>/renders/ is replaced only with `force`. UserError for bad input.
     """
-    from gstrain.data.colmap import load_scene
-    from gstrain.model import sh_degree_of
-    from gstrain.render import CUDA_BACKENDS, Renderer, resolve_device
-    from gstrain.render.sh import sh_degree_at
-    from gstrain.run_dir import load_run
-    from gstrain.train.checkpoint import require_checkpoint
+    from gstrain.run_dir import load_run, open_run
 
     start = time.perf_counter()
     run = Path(run_dir)
@@ -127,14 +126,11 @@ def render_run(
     out_path = Path(out) if out is not None else run / "renders" / f"{path}_{what}{VIDEO_SUFFIX}"
     is_video = _output_kind(out_path)
 
-    cfg, meta = load_run(run)
-    _check_writable(out_path, is_video)
-    state = require_checkpoint(run)
-    scene_path = Path(str(meta.get("scene", "")))
-    if not meta.get("scene") or not scene_path.is_dir():
-        raise UserError(f"the scene this run was trained on is missing: {scene_path} (from run.json)")
-    log(f"gstrain: loading scene {scene_path} (factor {cfg.data.factor}) for its cameras")
-    scene = load_scene(scene_path, factor=cfg.data.factor, test_every=cfg.data.test_every)
+    load_run(run)  # a wrong run folder is named before anything is written
+    check_output(out_path, is_video, force, ours=run / "renders")
+    opened = open_run(run, device, allow_older=allow_older, log=log)
+    scene, cfg = opened.scene, opened.cfg
+    log(f"gstrain: loaded scene {opened.scene_path} (factor {cfg.data.factor}) for its cameras")
     if path == "test":
         views = scene.test
         if not views:
@@ -153,18 +149,8 @@ def render_run(
         # libx264 with yuv420p needs even sides: drop the last row/column (K unchanged = a crop)
         cams = [(vm, K, w - w % 2, h - h % 2) for vm, K, w, h in cams]
 
-    dev = resolve_device(device)
-    rcfg = cfg.render
-    if dev.type != "cuda" and rcfg.backend in CUDA_BACKENDS:
-        rcfg = dataclasses.replace(rcfg, backend="reference")  # trained on a GPU, rendered without one
-    renderer = Renderer(rcfg, dev)
-    params = torch.nn.ParameterDict({
-        k: torch.nn.Parameter(v.detach().to(dev, torch.float32), requires_grad=False)
-        for k, v in state["params"].items()
-    })
-    step = int(state.get("step", 0))
-    sh_degree = sh_degree_at(step, cfg.train.sh_degree_interval, cfg.model.sh_degree, stored=sh_degree_of(params))
-    background = torch.tensor(cfg.data.background, dtype=torch.float32, device=dev)
+    dev, renderer, params = opened.device, opened.renderer, opened.params
+    sh_degree, background = opened.sh_degree, opened.background
     frame_fn = _frame_renderer(renderer, dev, params, sh_degree, background, what)
     if what == "depth":
         picks = np.linspace(0, len(cams) - 1, min(len(cams), DEPTH_SAMPLE_FRAMES)).round().astype(int)
@@ -194,20 +180,6 @@ def _output_kind(out: Path) -> bool:
     if suffix == "":
         return False
     raise UserError(f"unsupported output '{out}': use FILE.mp4 for a video, or a folder (no suffix) for PNGs")
-
-
-def _check_writable(out: Path, is_video: bool) -> None:
-    folder = out.parent if is_video else out
-    if is_video and out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a FILE.mp4 path")
-    if not is_video and out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise UserError(f"cannot write to {out}: {exc.strerror or exc}") from None
 
 
 def _frame_renderer(
@@ -245,12 +217,9 @@ def _write_frames(
 
     bar = tqdm(cams, desc="render", unit="frame", leave=False, dynamic_ncols=True)
     if not is_video:
-        for i, cam in enumerate(bar):
-            imageio.imwrite(out / f"{i:05d}.png", to_image(cam))
-        # frames beyond this render's end are left from a longer earlier one: they'd join the sequence
-        for stale in out.glob("[0-9][0-9][0-9][0-9][0-9].png"):
-            if int(stale.stem) >= len(cams):
-                stale.unlink()
+        names = start_frames(out, len(cams))
+        for name, cam in zip(names, bar, strict=True):
+            imageio.imwrite(out / name, to_image(cam))
         return
     # Write next to the target and rename at the end: an interrupted render leaves no broken file.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=VIDEO_SUFFIX, dir=out.parent)

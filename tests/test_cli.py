@@ -1,14 +1,12 @@
-"""End-to-end CLI tests on the generated demo scene: bad input, fit, eval, export, resume, Ctrl-C."""
+"""End-to-end CLI tests on the generated demo scene: bad input, fit, eval, export, resume
+(Ctrl-C and SIGTERM: test_signals.py; faults: test_faults.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pycolmap
@@ -139,9 +137,14 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert metrics["num_views"] == 2
     assert abs(metrics["psnr"] - summary["final_test_psnr"]) < 1e-3
     assert 0 < metrics["ssim"] <= 1
-    assert metrics["lpips"] is None or metrics["lpips"] >= 0
-    if metrics["lpips"] is None:
-        assert metrics["lpips_note"]
+    # LPIPS runs exactly when the lpips package and its cached backbone are both here
+    import importlib.util
+
+    from gstrain.metrics import lpips_backbone_path
+
+    can_lpips = importlib.util.find_spec("lpips") is not None and lpips_backbone_path().is_file()
+    assert (metrics["lpips"] is not None) == can_lpips, metrics
+    assert (metrics["lpips_note"] is None) == can_lpips, metrics
     assert len(list((run / "renders" / "test").glob("*.png"))) == 2
 
     out = tmp_path / "export.ply"
@@ -219,31 +222,6 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
     assert_user_error(bad, "train.stop_at must be 0 (off) or a step up to train.steps (80)")
 
 
-def test_ctrl_c_saves_and_resume_finishes(demo_scene, tmp_path):
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gstrain", "fit", str(demo_scene), "--out", str(run), "--steps", "100000",
-         "--set", "log.ckpt_every=0", *FAST],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not (run / "run.json").exists():
-        time.sleep(0.2)
-    time.sleep(4.0)  # let it train a little
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "checkpoint saved" in err
-    from gstrain.train.checkpoint import list_checkpoints
-
-    (step, _path), = list_checkpoints(run)
-    assert step > 0
-    resumed = run_cli("fit", demo_scene, "--out", run, "--resume", "--steps", str(step + 20))
-    assert resumed.returncode == 0, resumed.stderr
-    assert list_checkpoints(run)[-1][0] == step + 20
-
-
 def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
     run = tmp_path / "beer"
     proc = run_cli("fit", beer_scene, "--factor", "8", "--steps", "300", "--out", run, *FAST,
@@ -266,3 +244,13 @@ def test_profile_bad_flags(demo_scene):
     assert_user_error(run_cli("profile", demo_scene, "--backend", "vulkan"), "--backend must be one of")
     assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer")
     assert_user_error(run_cli("profile", demo_scene, "--iters", "0"), "--iters must be >= 1")
+
+
+def test_installed_console_script():
+    """The `gstrain` script pip installed beside this Python, not `python -m gstrain` from the tree."""
+    script = Path(sys.executable).parent / "gstrain"
+    assert script.is_file(), f"no console script at {script}: is the package installed (make setup)?"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "fit" in proc.stdout and "render" in proc.stdout, proc.stderr
+    bad = subprocess.run([str(script), "fit", "/nonexistent/scene"], capture_output=True, text=True, timeout=120)
+    assert_user_error(bad, "scene folder not found")

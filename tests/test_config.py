@@ -51,10 +51,46 @@ def test_bad_values_are_errors():
         build_config(["/nonexistent/x.yaml"])
 
 
-def test_types_are_coerced_from_strings():
+def test_set_values_are_yaml_and_strings_are_not_numbers(tmp_path):
     cfg = build_config(overrides=[parse_override("train.steps=12"), parse_override("strategy.absgrad=true"),
                                   parse_override("optim.means_lr=1e-4")])
     assert cfg.train.steps == 12 and cfg.strategy.absgrad is True and cfg.optim.means_lr == 1e-4
+    # a quoted string is a string, in a file and after --set alike
+    for text in ('train.steps="7"', "strategy.absgrad='true'", 'optim.means_lr="1e-4"'):
+        with pytest.raises(UserError, match="expects"):
+            build_config(overrides=[parse_override(text)])
+    f = tmp_path / "c.yaml"
+    f.write_text('train:\n  steps: "7"\n')
+    with pytest.raises(UserError, match="config key 'train.steps' expects an integer, got '7'"):
+        build_config([f])
+    # YAML 1.1 would read 1e-4 (no dot) as a string; written plainly it is the number
+    f.write_text("optim:\n  means_lr: 1e-4\n  scales_lr: -2E+1\n")
+    with pytest.raises(UserError, match="optim.scales_lr must be a learning rate >= 0; got -20.0"):
+        build_config([f])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"log": {"progress_every": 0}}, "log.progress_every must be >= 1; got 0"),
+    ({"log": {"tb_every": 0}}, "log.tb_every must be >= 1; got 0"),
+    ({"train": {"sh_degree_interval": 0}}, "train.sh_degree_interval must be >= 1; got 0"),
+    ({"optim": {"sh0_lr": -0.1}}, "optim.sh0_lr must be a learning rate >= 0"),
+    ({"optim": {"means_lr": float("nan")}}, "optim.means_lr must be a learning rate >= 0"),
+    ({"model": {"init_opacity": 2}}, r"model.init_opacity must be in \(0, 1\)"),
+    ({"model": {"init_opacity": 0}}, r"model.init_opacity must be in \(0, 1\)"),
+    ({"data": {"background": [5, 5, 5]}}, r"data.background must be three numbers in \[0, 1\]"),
+    ({"data": {"background": [0, 0, -0.1]}}, r"data.background must be three numbers in \[0, 1\]"),
+    ({"train": {"threads": -1}}, "train.threads must be >= 0"),
+    ({"log": {"save_steps": [0]}}, "log.save_steps must list steps >= 1"),
+])
+def test_values_that_would_crash_later_are_refused(override, needle):
+    with pytest.raises(UserError, match=needle):
+        build_config(overrides=[override])
+
+
+def test_edges_that_are_fine():
+    cfg = build_config(overrides=[{"data": {"background": [1, 0, 1]}, "model": {"init_opacity": 0.99},
+                                   "optim": {"sh0_lr": 0}, "log": {"ckpt_every": 0}}])
+    assert cfg.data.background == [1.0, 0.0, 1.0] and cfg.optim.sh0_lr == 0.0
 
 
 def test_round_trip_through_dict():

@@ -36,25 +36,44 @@ def test_modes_agree_on_a_training_step(demo_scene):
 
     scene = load_scene(demo_scene)
     base = init_gaussians(scene.points, scene.point_colors, sh_degree=1, device="cuda")
+    # SfM init is isotropic with identity rotations, where the rotation gradient is zero in exact
+    # arithmetic (float noise only): tilt and stretch every Gaussian so each gradient carries signal
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        base["quats"].copy_(torch.nn.functional.normalize(
+            base["quats"] + 0.5 * torch.randn(base["quats"].shape, generator=gen, device="cuda"), dim=-1))
+        base["scales"].add_(0.4 * torch.randn(base["scales"].shape, generator=gen, device="cuda"))
+        base["shN"].add_(0.1 * torch.randn(base["shN"].shape, generator=gen, device="cuda"))
     view = scene.train[0]
     gt = view.image.cuda().float() / 255
-    grads = {}
-    # our four reductions, and gsplat's rasterizer (render.backend=gsplat) under the name "gsplat"
-    for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
-        render = {"backend": "gsplat"} if mode == "gsplat" else {"backend": "cuda", "atomic_mode": mode}
+    grads, losses = {}, {}
+    # every mode, gsplat's rasterizer included, against the pure-PyTorch reference renderer in
+    # float64 (as tests/test_cuda_raster.py does; float32 projection adds its own rounding)
+    for mode in ("reference", "atomic", "warp", "distwar", "arc", "gsplat"):
+        # gsplat's rasterizer is the render.backend=gsplat; the others are our backward's reductions
+        render = {"backend": mode} if mode in ("reference", "gsplat") else {"backend": "cuda", "atomic_mode": mode}
+        dtype = torch.float64 if mode == "reference" else torch.float32
         cfg = build_config(overrides=[{"render": render}])
-        params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in base.items()})
-        image, _, _ = Renderer(cfg.render, torch.device("cuda"))(
-            params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height, 1, torch.zeros(3, device="cuda")
+        params = torch.nn.ParameterDict(
+            {k: torch.nn.Parameter(v.detach().clone().to(dtype)) for k, v in base.items()}
         )
-        loss, _ = photometric_loss(image, gt)
+        image, _, _ = Renderer(cfg.render, torch.device("cuda"))(
+            params, view.viewmat.cuda().to(dtype), view.K.cuda().to(dtype), view.width, view.height, 1,
+            torch.zeros(3, device="cuda", dtype=dtype),
+        )
+        loss, _ = photometric_loss(image, gt.to(dtype))
         loss.backward()
-        grads[mode] = {k: p.grad.clone() for k, p in params.items()}
-    for mode in ("warp", "distwar", "arc"):
+        losses[mode] = float(loss.detach())
+        grads[mode] = {k: p.grad.detach().double() for k, p in params.items()}
+    assert set(grads["reference"]) == {"means", "scales", "quats", "opacities", "sh0", "shN"}
+    for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
+        assert abs(losses[mode] - losses["reference"]) < 1e-4 * abs(losses["reference"]), mode
+        assert grads[mode].keys() == grads["reference"].keys(), mode
         for key, g in grads[mode].items():
-            ref = grads["atomic"][key]
-            err = (g - ref).norm() / ref.norm().clamp_min(1e-12)
-            assert err < 1e-4, (mode, key, float(err))
+            ref = grads["reference"][key]
+            assert ref.norm() > 0, key  # the reference's gradient is not trivially zero
+            err = (g - ref).norm() / ref.norm()
+            assert err < 2e-3, (mode, key, float(err))
 
 
 def test_depth_on_cuda_matches_reference(demo_scene):
@@ -93,7 +112,7 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
                                          "baseline"]
     for label, med in report["median_ms"].items():
         assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
-        assert 0 < med["peak_gib"] < 139, label
+        assert 0 < med["peak_gib"] <= torch.cuda.get_device_properties(0).total_memory / 2**30, label
     assert "step (wall clock) speedup vs baseline" in proc.stdout and "peak memory (GiB)" in proc.stdout
 
 

@@ -11,20 +11,24 @@ from gstrain.config import OptimConfig
 from gstrain.train.optim import build_means_scheduler, build_optimizers
 
 
-def _optimizers(extent: float = 2.0) -> dict[str, torch.optim.Optimizer]:
+def _optimizers(extent: float = 2.0, cfg: OptimConfig | None = None) -> dict[str, torch.optim.Optimizer]:
     n = 4
     params = torch.nn.ParameterDict({
         "means": torch.zeros(n, 3), "scales": torch.zeros(n, 3), "quats": torch.zeros(n, 4),
         "opacities": torch.zeros(n), "sh0": torch.zeros(n, 1, 3), "shN": torch.zeros(n, 15, 3),
     })  # fmt: skip
-    return build_optimizers(params, OptimConfig(), extent)
+    return build_optimizers(params, cfg or OptimConfig(), extent)
 
 
 def test_one_adam_per_tensor_and_the_position_rate_scales_with_the_scene():
     optimizers = _optimizers(extent=2.0)
     assert sorted(optimizers) == ["means", "opacities", "quats", "scales", "sh0", "shN"]
-    assert optimizers["means"].param_groups[0]["lr"] == pytest.approx(OptimConfig().means_lr * 2.0)
-    assert optimizers["scales"].param_groups[0]["lr"] == OptimConfig().scales_lr
+    # 3DGS's published rates: position 1.6e-4 times the scene extent, scales 5e-3 as they are
+    assert optimizers["means"].param_groups[0]["lr"] == pytest.approx(1.6e-4 * 2.0)
+    assert optimizers["scales"].param_groups[0]["lr"] == pytest.approx(5e-3)
+    custom = _optimizers(extent=3.0, cfg=OptimConfig(means_lr=0.5, scales_lr=0.25))
+    assert custom["means"].param_groups[0]["lr"] == pytest.approx(1.5)  # the config's rate, times the extent
+    assert custom["scales"].param_groups[0]["lr"] == pytest.approx(0.25)
 
 
 def test_decay_matches_torch_exponential_lr_and_ends_at_the_final_rate():

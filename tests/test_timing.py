@@ -1,52 +1,82 @@
-import time
+"""PhaseTimer's bookkeeping on the CPU, against a fake clock: exact figures, no sleeps."""
 
+import pytest
 import torch
 
+from gstrain.train import timing
 from gstrain.train.timing import PhaseTimer
 
 
-def test_phases_average_over_steps():
+class FakeClock:
+    """Stands in for the `time` module in timing.py: perf_counter moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+def test_phases_average_over_steps(clock):
     timer = PhaseTimer(torch.device("cpu"))
-    for _ in range(3):
+    for ms in (10, 20, 60):
         with timer.phase("a"):
-            time.sleep(0.01)
+            clock.advance(ms)
+        clock.advance(1000)  # between phases: not counted
         timer.step_done()
     summary = timer.summary()
-    assert 8 < summary["a"] < 60
+    assert summary["a"] == pytest.approx(30.0)
     assert timer.summary() == {}  # reset after reading
 
 
-def test_backward_span_times_only_the_wrapped_op():
+def test_backward_span_times_only_the_wrapped_op(clock):
     timer = PhaseTimer(torch.device("cpu"))
     x = torch.randn(4, requires_grad=True)
 
-    class Slow(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v):
-            return v * 2
+    def op(backward_ms: float):
+        """An identity-like op whose backward takes backward_ms on the fake clock."""
 
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(0.05)
-            return g * 2
+        class Op(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, v):
+                return v * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                clock.advance(backward_ms)
+                return g * 2
+
+        return Op.apply
+
+    slow, outside = op(50), op(700)  # outside the span: its time is not counted
 
     span = timer.backward_span("slow_bwd")
-    y = span.output(Slow.apply(span.input(x * 3)))
+    y = span.output(slow(span.input(outside(x * 3))))
     (y.sum() * 1).backward()
     timer.step_done()
     summary = timer.summary()
-    assert 45 < summary["slow_bwd"] < 200
-    assert torch.allclose(x.grad, torch.full((4,), 6.0))  # the hooks are identities for gradients
+    assert summary["slow_bwd"] == pytest.approx(50.0)
+    assert torch.allclose(x.grad, torch.full((4,), 12.0))  # 3 * 2 * 2: the hooks are identities for gradients
 
 
-def test_untimed_steps_do_not_count():
+def test_untimed_steps_do_not_count(clock):
     timer = PhaseTimer(torch.device("cpu"))
     for step in range(8):
         timer.enabled = step % 4 == 0
         with timer.phase("a"):
-            time.sleep(0.01 if timer.enabled else 0.05)
+            clock.advance(10 if timer.enabled else 50)
         timer.step_done()
     assert timer.pending_steps == 2
     summary = timer.summary()
-    assert 8 < summary["a"] < 40  # the mean of the two timed 10 ms steps, not of all eight
+    assert summary["a"] == pytest.approx(10.0)  # the mean of the two timed 10 ms steps, not of all eight
     assert timer.last_host_ms["a"] == summary["a"]  # on the CPU host time is the phase time

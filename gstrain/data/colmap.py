@@ -28,6 +28,8 @@ from gstrain.errors import UserError
 _PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")
 _MODEL_FILES = ("cameras", "images", "points3D")
 # What PIL raises on bad image files (SyntaxError and struct.error come from some PNG/TIFF parsers).
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+_GREY_MODES = ("L", "LA", "La", "1")
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
 
@@ -81,11 +83,8 @@ def load_scene(
     undistorted = Counter(model for _, model in results if model is not None)
     for model, count in sorted(undistorted.items()):
         notes.append(f"undistorted {count} {model} images to PINHOLE")
-    n_resized = sum(1 for im in images if loader.size_mismatch.get(im.name))
-    if n_resized:
-        notes.append(
-            f"{n_resized} images differ in size from their COLMAP camera; intrinsics scaled to match"
-        )
+    notes.extend(loader.notes())
+    notes.extend(_unlisted_note(image_dir, rec))
 
     masked = mask_note(views, masks)  # masks: one line on how much is masked
     if masked:
@@ -182,12 +181,39 @@ class _ViewLoader:
         self.factor = factor
         self.prescaled = prescaled
         self.options = pycolmap.UndistortCameraOptions()
-        self.size_mismatch: dict[str, bool] = {}
+        # name -> (file size, camera size) of images that did not match their camera
+        self.size_mismatch: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+        self.alpha: list[str] = []  # images whose alpha channel was dropped
+        self.grey: list[str] = []  # single-channel images spread to RGB
+
+    def notes(self) -> list[str]:
+        """One line per thing done to the images that the user did not ask for."""
+        out = []
+        if self.alpha:
+            out.append(f"{len(self.alpha)} images have an alpha channel (e.g. {min(self.alpha)}); "
+                       "where masks/ has no file for them, alpha is their mask (alpha < 0.5 is left out)")
+        if self.grey:
+            out.append(f"{len(self.grey)} images are grayscale (e.g. {min(self.grey)}); "
+                       "their grey is used for all three colour channels")
+        if self.size_mismatch:
+            name = min(self.size_mismatch)
+            (w, h), (cw, ch) = self.size_mismatch[name]
+            if self.prescaled:
+                what = f"intrinsics scaled to the images (not exactly 1/{self.factor} of the camera)"
+            else:
+                what = "resized to the camera's size before training (intrinsics kept)"
+            out.append(f"{len(self.size_mismatch)} images differ in size from their COLMAP camera "
+                       f"(e.g. {name}: {w}x{h}, camera {cw}x{ch}); {what}")
+        return out
 
     def load(self, image: pycolmap.Image) -> tuple[View, str | None]:
         """The view, and the distorted model name when it was undistorted (else None)."""
         file = self.image_dir / image.name
-        pil = _decode(file)
+        pil, mode = _decode(file)
+        if mode in _ALPHA_MODES:
+            self.alpha.append(image.name)
+        if mode in _GREY_MODES:
+            self.grey.append(image.name)
         cam: pycolmap.Camera = copy.copy(image.camera)
         w, h = pil.size
         # Images and cameras must agree on aspect ratio; more than ~2 px off means the wrong files.
@@ -199,9 +225,11 @@ class _ViewLoader:
             )
         if self.prescaled:
             target = (w, h)  # images_<factor>/ is used as it is; the camera follows its actual size
+            if max(abs(w - cam.width / self.factor), abs(h - cam.height / self.factor)) > 1.0:
+                self.size_mismatch[image.name] = ((w, h), (cam.width, cam.height))
         else:
             if (w, h) != (cam.width, cam.height):
-                self.size_mismatch[image.name] = True
+                self.size_mismatch[image.name] = ((w, h), (cam.width, cam.height))
             target = (max(1, round(cam.width / self.factor)), max(1, round(cam.height / self.factor)))
         if (w, h) != target:
             # Area averaging (BOX) is the antialiased downscale; K follows the actual size ratio.
@@ -245,21 +273,38 @@ class _ViewLoader:
         return view, (image.camera.model_name if distorted else None)
 
 
-def _decode(file: Path) -> Image.Image:
-    """RGB PIL image (alpha dropped, grey expanded), or UserError if the file cannot be decoded."""
+def _decode(file: Path) -> tuple[Image.Image, str]:
+    """(RGB PIL image, the file's own mode: alpha dropped, grey expanded), or UserError if the
+    file cannot be decoded. A palette image with a transparent colour counts as "RGBA"."""
     try:
         with Image.open(file) as img:
             img.load()
+            mode = "RGBA" if img.mode == "P" and "transparency" in img.info else img.mode
             if img.mode.startswith("I;16") or img.mode in ("I", "F"):
                 # 16-bit/float grey: PIL's convert("RGB") clips these, so scale to 8 bits ourselves.
                 arr = np.asarray(img, dtype=np.float64)
                 peak = 65535.0 if img.mode != "F" else max(float(arr.max()), 1.0)
                 grey = np.clip(arr / peak * 255.0 + 0.5, 0, 255).astype(np.uint8)
-                return Image.fromarray(grey).convert("RGB")
-            return img.convert("RGB")
+                return Image.fromarray(grey).convert("RGB"), "L"
+            return img.convert("RGB"), mode
     except _DECODE_ERRORS as exc:
         reason = str(exc).replace(f" '{file}'", "").strip() or type(exc).__name__
         raise UserError(f"cannot decode image {file}: {reason}") from None
+
+
+_IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp"}
+
+
+def _unlisted_note(image_dir: Path, rec: pycolmap.Reconstruction) -> list[str]:
+    """A note for image files the sparse model does not list: they have no pose and are not used."""
+    listed = {im.name for im in rec.images.values()}
+    extra = sorted(
+        p.relative_to(image_dir).as_posix() for p in image_dir.rglob("*")
+        if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file() and p.relative_to(image_dir).as_posix() not in listed
+    )
+    if not extra:
+        return []
+    return [f"{len(extra)} images in {image_dir} are not in the sparse model and were not used (e.g. {extra[0]})"]
 
 
 def _read_points(rec: pycolmap.Reconstruction) -> tuple[np.ndarray, np.ndarray]:

@@ -44,7 +44,7 @@ from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, t
 from gstrain.train.masking import masked_loss
 from gstrain.train.optim import current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
-from gstrain.train.shards import merge_shards, read_manifest, select_rows, shard_file
+from gstrain.train.shards import SOURCE_KEY, merge_shards, read_manifest, select_rows, shard_file
 from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
 
 __all__ = ["DistTrainer"]
@@ -135,12 +135,15 @@ class DistTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "homes": list(self.homes)}
 
-    def resume(self) -> bool:
-        found = list_checkpoints(self.run_dir)
-        if not found:
+    def resume(self, state: dict[str, Any] | None = None) -> bool:
+        """Go on from `state` (a whole-model checkpoint; None: the newest one). Shards written at
+        this world size are each rank's own file again; otherwise the whole model is partitioned."""
+        if state is None:
+            state = load_latest_checkpoint(self.run_dir, map_location="cpu")
+        if state is None:
             return False
-        path = found[-1][1]
-        if path.is_dir() and int(read_manifest(path)["world"]) == self.world:
+        path = Path(state.get(SOURCE_KEY, ""))
+        if SOURCE_KEY in state and int(read_manifest(path)["world"]) == self.world:
             # same world size: each rank takes its own shard back (a bit-identical continuation)
             try:
                 state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
@@ -149,9 +152,6 @@ class DistTrainer(Trainer):
             self.load_state_dict(state)
             self.homes = list(state["homes"])
             return True
-        state = load_latest_checkpoint(self.run_dir, map_location="cpu")  # whole, or shards gathered
-        if state is None:
-            return False
         self.load_state_dict(state)
         self._distribute()  # another world size: partition again
         return True
@@ -206,9 +206,10 @@ class DistTrainer(Trainer):
         return loss.detach(), terms, image, gts[0] if gts else None
 
     # ----------------------------------------------------------------- loop
-    def fit(self, resume: bool = False) -> FitResult:
+    def fit(self, resume: bool = False, state: dict[str, Any] | None = None) -> FitResult:
+        """As Trainer.fit: from `state` or, with `resume`, the newest checkpoint; else from step 0."""
         with collective_errors(self.rank, self.cfg.dist.timeout_s):
-            return self._fit(resume)
+            return self._fit(resume, state)
 
     def _agree(self, loss: torch.Tensor, stop: bool, check_params: bool) -> tuple[float, int, bool, bool]:
         """The one host sync of a sync step, and the only collective outside the render: the
@@ -220,11 +221,11 @@ class DistTrainer(Trainer):
         total, count, stops, bads = flags.tolist()
         return total, int(count), stops > 0, bads > 0 or not math.isfinite(total)
 
-    def _fit(self, resume: bool) -> FitResult:
+    def _fit(self, resume: bool, state: dict[str, Any] | None) -> FitResult:
         cfg, lead = self.cfg, self.rank == 0
-        if resume and not self.resume():
-            raise UserError(f"--resume: no checkpoint found under {self.run_dir / 'ckpt'}")
-        if not resume:
+        if not ((resume or state is not None) and self.resume(state)):
+            if resume:
+                self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
             seed_everything(cfg.train.seed)
         total = cfg.train.steps
         end = cfg.train.stop_at or total

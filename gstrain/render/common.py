@@ -29,6 +29,9 @@ class RasterOptions:
     gsplat_raster: bool = False
 
 
+DEFAULT_OPTIONS = RasterOptions()  # our kernels, arc, no absgrad
+
+
 def strategy_info(means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor, width: int, height: int,
                   tile_size: int = 16) -> dict[str, Any]:
     """What gsplat's DefaultStrategy / MCMCStrategy read from a render, for one camera.

@@ -12,6 +12,9 @@ Rasterization cost follows the overlaps, not pixels x Gaussians:
 The backward is written by hand (_RasterizeFn). The same compositing written plainly and
 differentiated by autograd is kept as `_rasterize(..., use_autograd=True)`; the tests check the
 two against each other, against a per-pixel loop and against finite differences.
+
+Split by job: projection.py (project_gaussians), raster_plan.py (the cell lists),
+raster_composite.py (compositing forward and backward); this module ties them together.
 """
 
 from __future__ import annotations

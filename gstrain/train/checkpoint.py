@@ -1,38 +1,32 @@
-"""Full training state on disk: written atomically, found again for --resume."""
+"""Full training state on disk: written atomically, found again for --resume.
+
+A checkpoint that cannot be read is never skipped in silence: loading names it and refuses,
+unless the caller allows the older one, which is then named too.
+"""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gstrain.errors import UserError
+from gstrain.files import write_atomic
 from gstrain.train.shards import gather_shards
 
 # step_<N>.pt, or the folder step_<N>.shards of a distributed run (train/shards.py)
 _CKPT_RE = re.compile(r"^step_(\d+)\.(pt|shards)$")
+DAMAGED_SUFFIX = ".damaged"
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """Write to a temp file in the same folder, fsync, then rename: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda fh: torch.save(obj, fh))
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -116,24 +110,87 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, UserError):  # an OSError already put in one line by write_atomic
+                raise UserError(f"could not write a checkpoint: {error}")
             raise UserError(f"could not write a checkpoint under {self.run_dir / 'ckpt'}: {error}")
 
 
-def load_latest_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
-    """The newest readable checkpoint, or None if the run has none. A corrupt newest file falls
-    back to the one before it (it can only be corrupt if written by something other than us)."""
-    for _step, path in reversed(list_checkpoints(run_dir)):
-        try:
-            if path.is_dir():  # a distributed run's shards, gathered into the whole model
-                return gather_shards(path, map_location)
-            return torch.load(path, map_location=map_location, weights_only=False)
-        except Exception:  # noqa: BLE001 - any unreadable file: try the previous checkpoint
+def _read(path: Path, map_location: str | torch.device) -> tuple[dict[str, Any] | None, str]:
+    """(state, "") for a usable checkpoint, else (None, why not)."""
+    try:
+        if path.is_dir():  # a distributed run's shards, gathered into the whole model
+            state = gather_shards(path, map_location)
+        else:
+            state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - truncated, garbage, or from an incompatible torch
+        return None, " ".join(str(exc).split())[:120] or type(exc).__name__
+    if not isinstance(state, dict) or "step" not in state or "params" not in state:
+        return None, "not a gstrain checkpoint"
+    return state, ""
+
+
+def find_checkpoint(
+    run_dir: Path,
+    map_location: str | torch.device = "cpu",
+    allow_older: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> tuple[dict[str, Any], Path, list[Path]] | None:
+    """(state, its file, the newer damaged files) of the newest checkpoint, or None if there is none.
+
+    A damaged newest file is a user error that names it, unless `allow_older`: then the newest
+    readable one is used and `log` says which files were passed over.
+    """
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    damaged: list[tuple[Path, str]] = []
+    for _step, path in reversed(found):
+        state, why = _read(path, map_location)
+        if state is None:
+            damaged.append((path, why))
             continue
-    return None
+        if damaged:
+            names = ", ".join(str(p) for p, _ in damaged)
+            if not allow_older:
+                raise UserError(
+                    f"checkpoint {damaged[0][0]} is damaged ({damaged[0][1]}); pass --allow-older-checkpoint "
+                    f"to use {path} (step {state['step']}) instead"
+                )
+            if log is not None:
+                log(f"gstrain: damaged checkpoint {names} passed over; using {path} (step {state['step']})")
+        return state, path, [p for p, _ in damaged]
+    if len(damaged) == 1:
+        raise UserError(f"the run's only checkpoint {damaged[0][0]} is damaged ({damaged[0][1]})")
+    raise UserError(f"every checkpoint under {run_dir / 'ckpt'} is damaged ({len(damaged)} files, "
+                    f"newest {damaged[0][0]}: {damaged[0][1]})")
 
 
-def require_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    state = load_latest_checkpoint(run_dir, map_location)
+def set_aside(paths: list[Path], log: Callable[[str], None]) -> None:
+    """Rename damaged checkpoints to *.damaged, so that a resumed run never overwrites one unseen."""
+    for path in paths:
+        target = path.with_name(path.name + DAMAGED_SUFFIX)
+        path.replace(target)
+        log(f"gstrain: kept the damaged {path.name} as {target}")
+
+
+def load_latest_checkpoint(
+    run_dir: Path,
+    map_location: str | torch.device = "cpu",
+    allow_older: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any] | None:
+    """The newest checkpoint's state, or None if the run has none (damaged files: see find_checkpoint)."""
+    found = find_checkpoint(run_dir, map_location, allow_older, log)
+    return None if found is None else found[0]
+
+
+def require_checkpoint(
+    run_dir: Path,
+    map_location: str | torch.device = "cpu",
+    allow_older: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    state = load_latest_checkpoint(run_dir, map_location, allow_older, log)
     if state is None:
         raise UserError(f"no checkpoint found under {run_dir / 'ckpt'}")
     return state

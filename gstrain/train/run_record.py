@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from gstrain.files import write_text_atomic
+
 SUMMARY_FILE = "train_summary.json"
 
 
@@ -95,5 +97,5 @@ def write_run_record(
             round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
         ),
     }  # fmt: skip
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     return summary

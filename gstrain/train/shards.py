@@ -19,9 +19,12 @@ import torch
 from gstrain.errors import UserError
 
 MANIFEST = "manifest.json"
+SOURCE_KEY = "sharded_from"
 SUFFIX = ".shards"
 
-__all__ = ["MANIFEST", "SUFFIX", "gather_shards", "merge_shards", "read_manifest", "select_rows", "shard_file"]
+__all__ = [
+    "MANIFEST", "SOURCE_KEY", "SUFFIX", "gather_shards", "merge_shards", "read_manifest", "select_rows", "shard_file",
+]  # fmt: skip
 
 
 def shard_file(folder: Path, rank: int) -> Path:
@@ -60,7 +63,8 @@ def gather_shards(folder: Path, map_location: str | torch.device = "cpu") -> dic
     manifest = read_manifest(folder)
     world = int(manifest["world"])
     shards = [torch.load(shard_file(folder, r), map_location=map_location, weights_only=False) for r in range(world)]
-    return merge_shards(shards)
+    # where it came from: a resume at the same world size takes each rank's own file instead
+    return {**merge_shards(shards), SOURCE_KEY: str(folder)}
 
 
 def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:

@@ -61,11 +61,11 @@ class ViewSampler:
 
 
 class _StopFlag:
-    """First Ctrl-C asks the loop to stop after the current step and save; a second one aborts."""
+    """First Ctrl-C (or SIGTERM) asks the loop to stop after the current step and save; a second aborts."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopFlag:
         def handler(signum: int, frame: Any) -> None:
@@ -73,15 +73,16 @@ class _StopFlag:
                 raise KeyboardInterrupt
             self.requested = True
 
-        try:
-            self._previous = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread (e.g. called from a test runner thread)
-            self._previous = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. called from a test runner thread)
+                pass
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def seed_everything(seed: int) -> None:
@@ -215,7 +216,6 @@ class Trainer:
 
     def export_ply(self) -> Path:
         path = self.run_dir / "point_cloud" / f"iteration_{self.step}" / "point_cloud.ply"
-        path.parent.mkdir(parents=True, exist_ok=True)
         save_ply(self.params, path)
         return path
 
@@ -290,11 +290,17 @@ class Trainer:
         viewmat, K = self.train_cams[idx]
         return BatchView(viewmat, K, self.train_images[idx].float() / 255.0, self.train_masks[idx])
 
-    def fit(self, resume: bool = False) -> FitResult:
+    def fit(self, resume: bool = False, state: dict[str, Any] | None = None) -> FitResult:
+        """Train to the end (or train.stop_at); `state` (or, with `resume`, the newest checkpoint)
+        is where it goes on from. A run with no checkpoint yet starts at step 0, seeded."""
         cfg = self.cfg
-        if resume and not self.resume():
-            raise UserError(f"--resume: no checkpoint found under {self.run_dir / 'ckpt'}")
-        if not resume:
+        if state is None and resume:
+            state = load_latest_checkpoint(self.run_dir, map_location="cpu")
+        if state is not None:
+            self.load_state_dict(state)
+        else:
+            if resume:
+                self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
             seed_everything(cfg.train.seed)
         total = cfg.train.steps
         # train.stop_at pauses the run there (checkpoint, evaluation, PLY as at the end); the
@@ -348,13 +354,14 @@ class Trainer:
                         self._tb().add_scalar("test/ssim", metrics["ssim"], step)
                         self._log_test_renders(step)
                         bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
-                if step in save_steps:
-                    self.export_ply()
                 if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end:
                     if not (math.isfinite(float(loss)) and self._params_finite()):
                         status = "nan"
                         break
-                    ckpt = self.save()
+                    # on disk before the PLY: on a nearly full disk the run's state comes first
+                    ckpt = self.save(wait=step in save_steps)
+                if step in save_steps:
+                    self.export_ply()
                 if stop.requested:
                     status = "interrupted"
                     break

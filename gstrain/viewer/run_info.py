@@ -1,6 +1,7 @@
 """What the viewer shows of a finished run: its config, latest checkpoint, scores and cameras.
 
-A small local loader; gstrain.run_dir.open_run() is meant to replace `load_run_info` once it lands.
+The run itself comes through gstrain.run_dir.open_run (as for eval, render, export and profile);
+the viewer only adds the scores, and shows a run whose scene folder has moved without cameras.
 """
 
 from __future__ import annotations
@@ -39,23 +40,18 @@ def load_run_info(run: Path, log=print) -> RunInfo:
     """Everything the viewer needs from a run folder; UserError (one line) if it is not a trained run."""
     from gstrain.data.colmap import load_scene
     from gstrain.errors import UserError
-    from gstrain.run_dir import load_run
-    from gstrain.train.checkpoint import require_checkpoint
+    from gstrain.run_dir import open_run, run_scene
 
-    cfg, meta = load_run(run)
-    state = require_checkpoint(run)
+    opened = open_run(run, log=log, load_views=False, renderer=False)
+    cfg = opened.cfg
     psnr = _read_json(run / "metrics.json").get("psnr")
     if psnr is None:
         psnr = _read_json(run / "train_summary.json").get("final_test_psnr")
     scene, note = None, None
-    scene_dir = Path(meta.get("scene", ""))
-    if scene_dir.is_dir():
-        try:
-            scene = load_scene(scene_dir, factor=cfg.data.factor, test_every=cfg.data.test_every)
-        except UserError as exc:
-            note = f"cameras not shown: {exc}"
-    else:
-        note = f"cameras not shown: scene folder {scene_dir} not found"
-    if note:
+    try:
+        scene = load_scene(run_scene(run, opened.meta), factor=cfg.data.factor, test_every=cfg.data.test_every)
+    except UserError as exc:
+        note = f"cameras not shown: {exc}"
         log(f"gstrain: {note}")
-    return RunInfo(run, cfg, int(state["step"]), state["params"], psnr, scene, note)
+    params = {k: v.detach() for k, v in opened.params.items()}
+    return RunInfo(run, cfg, opened.step, params, psnr, scene, note)

@@ -1,0 +1,158 @@
+"""`gstrain fit` from flags to a finished run: check everything, load, write, train, report.
+
+The order is the point: every check that can fail runs before the first write, the run folder
+is written only after the scene has loaded, and whatever stops the run after that (an error,
+a second Ctrl-C, SIGTERM, a full disk) ends with a line that says what the folder kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gstrain.errors import UserError
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class FitRequest:
+    scene: Path
+    out: Path | None = None
+    resume: bool = False
+    config_files: list[Path] = field(default_factory=list)
+    overrides: list[dict[str, Any]] = field(default_factory=list)  # flag mappings, before --set
+    sets: list[str] = field(default_factory=list)  # --set section.key=value, in order
+    allow_older: bool = False
+    viewer: bool = False  # fit --viewer: the live page (gstrain/viewer/live.py)
+
+
+def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
+    from gstrain.data.colmap import load_scene
+    messages: list[str] = []  # held back so that bad input still ends with exactly one line
+    try:
+        loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append)
+    except KeyboardInterrupt:
+        log("gstrain: interrupted while loading the scene; nothing was written")
+        raise
+    if len(loaded.points) == 0 and cfg.model.init != "random":
+        raise UserError(
+            f"the sparse model in {scene} has no 3D points; pass --set model.init=random to start from random points"
+        )
+    for note in [*messages, *loaded.notes]:
+        log(note if note.startswith("gstrain:") else f"gstrain: {note}")
+    return loaded
+
+
+def kept_line(run_dir: Path, scene: Path) -> str:
+    """What a stopped run folder holds, and the command that goes on from it."""
+    from gstrain.train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    again = f"gstrain fit {scene} --out {run_dir} --resume"
+    if found:
+        step, path = found[-1]
+        return f"gstrain: {run_dir} keeps checkpoint {path} (step {step}); go on with: {again}"
+    return f"gstrain: {run_dir} holds no checkpoint yet; {again} starts it at step 0"
+
+
+def run_fit(req: FitRequest, log: Log) -> int:
+    """Train as asked; returns the exit code (0 done or paused, 130 interrupted, 3 NaN)."""
+    from gstrain.config import build_config, parse_override
+    from gstrain.dist.launch import finish_process_group, init_from_env, on_rank_zero, torchrun_world
+    from gstrain.render import resolve_device
+    from gstrain.run_dir import (
+        check_new_run_dir,
+        check_scene_fits,
+        commit_resume,
+        create_run_dir,
+        default_run_dir,
+        plan_resume,
+    )
+    from gstrain.threads import apply_threads
+
+    scene = req.scene
+    if not scene.exists():
+        raise UserError(f"scene folder not found: {scene}")
+    overrides = [*req.overrides, *(parse_override(s) for s in req.sets)]
+    plan = None
+    if req.resume:
+        run_dir = req.out or Path("runs") / scene.resolve().name
+        plan = plan_resume(run_dir, scene, req.config_files, overrides, req.allow_older, log)
+        cfg = plan.cfg
+    else:
+        cfg = build_config(req.config_files, overrides)
+        run_dir = req.out or default_run_dir(scene)
+        reuse = check_new_run_dir(run_dir)
+    dev = resolve_device(cfg.train.device)
+    world = torchrun_world(cfg.dist.always)
+    if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
+        if req.viewer:
+            raise UserError("--viewer is not available under torchrun; train on one process to watch it")
+        _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
+    threads = apply_threads(cfg.train.threads, dev)
+    loaded = _load_scene(scene, cfg, log)
+    view = loaded.train[0] if loaded.train else loaded.test[0]
+    log(
+        f"gstrain: {len(loaded.train)} train / {len(loaded.test)} test views at {view.width}x{view.height}, "
+        f"{len(loaded.points)} SfM points, device {dev}" + (f", {threads} CPU threads" if dev.type == "cpu" else "")
+    )
+    from gstrain.run_dir import is_run_dir
+    from gstrain.train.trainer import Trainer
+
+    if plan is not None:
+        check_scene_fits(plan, loaded, scene)
+    elif reuse:
+        log(f"gstrain: reusing {run_dir}: an earlier fit there stopped before its first checkpoint")
+    live = None
+    if req.viewer:  # before the run folder is written: a busy port is bad input like any other
+        from gstrain.viewer.live import LiveViewer
+
+        live = LiveViewer(cfg, loaded, log=log)
+    try:  # from the first write on, whatever stops the run says what the folder kept
+        if plan is not None:  # rank 0 writes; its error is every rank's
+            on_rank_zero(lambda: commit_resume(run_dir, plan, log))
+        else:
+            on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg))
+        if world:
+            from gstrain.dist.trainer import DistTrainer
+
+            trainer = DistTrainer(cfg, loaded, run_dir, dev, log=log)
+        else:
+            trainer = Trainer(cfg, loaded, run_dir, dev, log=log)
+        trainer.viewer = live
+        result = trainer.fit(resume=req.resume, state=plan.state if plan is not None else None)
+    except KeyboardInterrupt:
+        if is_run_dir(run_dir):
+            log("gstrain: stopped at once (a second interrupt, or one before training began)")
+            log(kept_line(run_dir, scene))
+        raise
+    except BaseException:
+        if is_run_dir(run_dir):
+            log(kept_line(run_dir, scene))
+        raise
+    finally:
+        if live is not None:
+            live.close()
+        finish_process_group()
+    return _report(result, cfg, scene, run_dir, log)
+
+
+def _report(result: Any, cfg: Any, scene: Path, run_dir: Path, log: Log) -> int:
+    parts = [f"{result.status} at step {result.step} in {result.seconds:.1f}s", f"{result.num_gaussians} Gaussians"]
+    if result.initial_test_psnr is not None:
+        parts.append(f"test PSNR {result.initial_test_psnr:.2f} -> {result.final_test_psnr or float('nan'):.2f} dB")
+    elif result.final_test_psnr is not None:
+        parts.append(f"test PSNR {result.final_test_psnr:.2f} dB")
+    log("gstrain: " + ", ".join(parts) + f"; run folder {run_dir}")
+    if result.status == "interrupted":
+        log(f"gstrain: resume with: gstrain fit {scene} --out {run_dir} --resume")
+        return 130
+    if result.status == "stopped":
+        log(f"gstrain: paused at train.stop_at={cfg.train.stop_at} of {cfg.train.steps} steps; go on with: "
+            f"gstrain fit {scene} --out {run_dir} --resume --set train.stop_at=0")
+    if result.status == "nan":
+        return 3
+    return 0
