@@ -40,12 +40,23 @@ def _plain(scene: Path, run: Path, over: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.params.items()}
 
 
-def _dist_fit(rank: int, world: int, scene: str, run: str, over: dict, resume: bool = False) -> dict:
+def _dist_fit(rank: int, world: int, scene: str, run: str, over: dict, resume: bool = False,
+              nan_at: int = 0) -> dict:  # fmt: skip
     from gstrain.dist.trainer import DistTrainer
 
     cfg = _cfg(over)
     data = load_scene(Path(scene), factor=1, test_every=cfg.data.test_every)
     trainer = DistTrainer(cfg, data, Path(run), torch.device("cpu"), log=lambda m: None)
+    if nan_at and rank == world - 1:  # the last rank's Gaussians go bad after step `nan_at`
+        step_once = trainer.train_step
+
+        def train_step(step: int):
+            out = step_once(step)
+            if step + 1 == nan_at:
+                trainer.params["means"].data[0] = float("nan")
+            return out
+
+        trainer.train_step = train_step
     result = trainer.fit(resume=resume)
     return {"status": result.status, "step": result.step, "order": trainer.row_order,
             "params": {k: v.detach().clone() for k, v in trainer.params.items()}}
@@ -94,7 +105,10 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
     refined = _dist_fit(rank, world, scene, f"{root}/refined", REFINE)
     # partitioned again at steps 4 and 8 (the rows move between ranks): the same training
     moved = _dist_fit(rank, world, scene, f"{root}/moved", {**CKPT, "dist": {"reprofile_every": 4}})
-    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined, "moved": moved}
+    # a NaN on the last rank after step 5: every rank stops at the next check (step 6, a checkpoint step)
+    nan = _dist_fit(rank, world, scene, f"{root}/nan", {**CKPT, "log": {"progress_every": 3, "ckpt_every": 3}},
+                    nan_at=5)
+    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined, "moved": moved, "nan": nan}
 
 
 def _three(rank: int, world: int, scene: str, root: str) -> dict:
@@ -113,13 +127,15 @@ def _assert_equal_rows(results: list[dict], expected: dict[str, torch.Tensor]) -
 def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_path):
     """W=2 (locality) and W=3 (round robin) equal one process with the same global batch; a
     sharded checkpoint resumes at W=2 bit for bit, at W=1 (plain trainer) and at W=3."""
-    for name in ("whole", "paused", "fresh3", "refined", "moved"):
+    for name in ("whole", "paused", "fresh3", "refined", "moved", "nan"):
         (tmp_path / name).mkdir()
     runs = run_local(_stop_and_resume, 2, str(demo_scene), str(tmp_path), timeout=120)
     plain2 = _plain(demo_scene, tmp_path / "plain2", CKPT)
     _assert_equal_rows([r["whole"] for r in runs], plain2)
     _assert_equal_rows([r["moved"] for r in runs], plain2)
     assert not torch.equal(runs[0]["moved"]["order"], runs[0]["whole"]["order"])  # rows did move
+    assert [(r["nan"]["status"], r["nan"]["step"]) for r in runs] == [("nan", 6), ("nan", 6)]
+    assert sorted(p.name for p in (tmp_path / "nan" / "ckpt").iterdir()) == ["step_3.shards"]  # the last good one
     assert all(len(r["whole"]["params"]["means"]) > 0 for r in runs)  # every rank owns a shard
     # densification per owner, children kept by their parent's owner: the counts of one process
     refined = _plain(demo_scene, tmp_path / "plain_refined", REFINE)
