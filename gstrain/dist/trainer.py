@@ -87,22 +87,24 @@ class DistTrainer(Trainer):
         self.row_order = torch.arange(0)
         for p in self.params.values():  # rank 0 decides the initial model
             dist.broadcast(p.data, 0)
-        self._distribute()
+        # partitioned when fit starts, unless a checkpoint brings its shards (no profile wasted)
 
     # ----------------------------------------------------------------- partition
     def _plan(self) -> tuple[torch.Tensor, list[int], list[int]]:
         """(global order of the rows, rows per rank, home of each training view): rank 0 only."""
-        cpu = {k: v.detach().cpu() for k, v in self.params.items()}
-        n = len(cpu["means"])
+        p = {k: v.detach() for k, v in self.params.items()}
+        n = len(p["means"])
         kind = self.cfg.dist.partition
         base = torch.arange(n)
         if kind == "locality" and self.world > 1:  # Morton order: locality shards become contiguous
-            base = torch.argsort(morton_codes(cpu["means"]), stable=True)
-        views = self.scene.train
-        prof = access_profile(cpu["means"][base], cpu["quats"][base], torch.exp(cpu["scales"][base]),
-                              torch.stack([v.viewmat for v in views]), torch.stack([v.K for v in views]),
+            base = torch.argsort(morton_codes(p["means"].cpu()), stable=True)
+        views, on = self.scene.train, base.to(self.device)
+        # projected on the training device (one pass per view), the profile itself on the host
+        prof = access_profile(p["means"][on], p["quats"][on], torch.exp(p["scales"][on]),
+                              torch.stack([c[0] for c in self.train_cams]), torch.stack([c[1] for c in self.train_cams]),
                               [v.width for v in views], [v.height for v in views])  # fmt: skip
-        owner = make_partition(kind, cpu["means"][base], prof.access_counts(), self.world, self.cfg.train.seed)
+        prof.ids = prof.ids.cpu()
+        owner = make_partition(kind, p["means"][on].cpu(), prof.access_counts(), self.world, self.cfg.train.seed)
         homes = assign_homes(view_owner_counts(prof, owner, self.world)).tolist()
         shards = shard_indices(owner, self.world)
         return base[torch.cat(shards)], [len(s) for s in shards], homes
@@ -227,6 +229,7 @@ class DistTrainer(Trainer):
             if resume:
                 self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
             seed_everything(cfg.train.seed)
+            self._distribute()
         total = cfg.train.steps
         end = cfg.train.stop_at or total
         start_step = self.step
