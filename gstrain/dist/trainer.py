@@ -85,8 +85,9 @@ class DistTrainer(Trainer):
         self.homes: list[int] = []
         # rows of the partitioned model in the whole model's order before it (rank-major)
         self.row_order = torch.arange(0)
-        for p in self.params.values():  # rank 0 decides the initial model
-            dist.broadcast(p.data, 0)
+        with collective_errors(self.rank, cfg.dist.timeout_s):
+            for p in self.params.values():  # rank 0 decides the initial model
+                dist.broadcast(p.data, 0)
         # partitioned when fit starts, unless a checkpoint brings its shards (no profile wasted)
 
     # ----------------------------------------------------------------- partition
@@ -261,8 +262,8 @@ class DistTrainer(Trainer):
                     last_psnr = float(psnr(image, gt))
                 bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}", gaussians=count)
                 bar.update(step - bar.n)
-                if logging and lead:
-                    self._tb_scalars(step, loss_value, count)
+                if logging:  # every rank: the timer's pending events are drained either way
+                    self._log_window(step, loss_value, count)
                 if step in eval_steps or step in save_steps:
                     self._evaluate_and_export(step, step in eval_steps, step in save_steps)
                 if saving or stop:
@@ -316,11 +317,17 @@ class DistTrainer(Trainer):
         with self._whole_model() as lead:
             return self.evaluate_test() if lead else None
 
-    def _tb_scalars(self, step: int, loss: float, count: int) -> None:
+    def _log_window(self, step: int, loss: float, count: int) -> None:
+        """The timing window into the run record, and (rank 0) TensorBoard: rank 0's phases."""
+        window = self.timer.pending_steps
+        phase_ms = self.timer.summary()
+        self.record.add_window(phase_ms, self.timer.last_host_ms, window)
+        if self.rank != 0:
+            return
         tb = self._tb()
         tb.add_scalar("train/loss", loss, step)
         tb.add_scalar("train/num_gaussians", count, step)
         for name, lr in current_lrs(self.optimizers).items():
             tb.add_scalar(f"lr/{name}", lr, step)
-        for phase, ms in self.timer.summary().items():
+        for phase, ms in phase_ms.items():
             tb.add_scalar(f"time_ms/{phase}", ms, step)
