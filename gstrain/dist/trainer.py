@@ -2,9 +2,10 @@
 the batch views whose home it is (sharded_render.py).
 
 Set-up: every rank builds the initial model from the same seed and takes rank 0's copy; rank 0
-profiles which training views touch which Gaussians, partitions them (dist.partition), picks each
-view's home rank, and reorders the model so that the shards are contiguous in rank order (the
-global row order of checkpoints). The step: the global batch of train.batch_size views is the
+profiles which training views touch which Gaussians, partitions them (dist.partition), counts
+how much of each view each rank owns, and reorders the model so that the shards are contiguous
+in rank order (the global row order of checkpoints). Each step's views go to the ranks owning
+most of what they see, floor(B/W) or ceil(B/W) views per rank (assign_homes on the batch). The step: the global batch of train.batch_size views is the
 sequence one process with that batch size draws (one sampler, same seed on every rank); each
 renderer divides its views' losses by B, so the summed gradient is that of the mean loss; each
 owner steps Adam on its rows and densifies with the statistics its Gaussians received (children
@@ -82,7 +83,9 @@ class DistTrainer(Trainer):
         if cfg.strategy.name != "default" or cfg.strategy.absgrad:
             raise UserError("distributed training supports strategy.name=default without strategy.absgrad")
         super().__init__(cfg, scene, run_dir, device, log=log if self.rank == 0 else (lambda m: None))
-        self.homes: list[int] = []
+        # [V, W]: how many of what training view v touches rank r owns (at the last partition);
+        # each step's views go to their homes by it, balanced over the ranks (assign_homes)
+        self.view_counts = torch.zeros(0, self.world, dtype=torch.int64)
         # rows of the partitioned model in the whole model's order before it (rank-major)
         self.row_order = torch.arange(0)
         with collective_errors(self.rank, cfg.dist.timeout_s):
@@ -106,22 +109,21 @@ class DistTrainer(Trainer):
                               [v.width for v in views], [v.height for v in views])  # fmt: skip
         prof.ids = prof.ids.cpu()
         owner = make_partition(kind, p["means"][on].cpu(), prof.access_counts(), self.world, self.cfg.train.seed)
-        homes = assign_homes(view_owner_counts(prof, owner, self.world)).tolist()
+        counts = view_owner_counts(prof, owner, self.world)
         shards = shard_indices(owner, self.world)
-        return base[torch.cat(shards)], [len(s) for s in shards], homes
+        return base[torch.cat(shards)], [len(s) for s in shards], counts
 
     def _distribute(self, compose: bool = False) -> None:
         """Every rank holds the whole model: rank 0 plans, each rank keeps its rows."""
         plan: list[Any] = [self._plan() if self.rank == 0 else None]
         dist.broadcast_object_list(plan, src=0)
-        order, rows, self.homes = plan[0]
+        order, rows, self.view_counts = plan[0]
         # composed over re-partitions, so that it maps to the first partition's input
         self.row_order = self.row_order[order] if compose else order
         start = sum(rows[: self.rank])
         self.load_state_dict(select_rows(self.state_dict(), order[start : start + rows[self.rank]]))
-        views = [self.homes.count(r) for r in range(self.world)]
         self.log(f"gstrain: {self.world} ranks, dist.partition={self.cfg.dist.partition}: "
-                 f"Gaussians per rank {rows}, training views per rank {views}")  # fmt: skip
+                 f"Gaussians per rank {rows}")  # fmt: skip
 
     def repartition(self) -> None:
         """Partition again (dist.reprofile_every): every rank gathers the whole state (Gaussians,
@@ -136,7 +138,7 @@ class DistTrainer(Trainer):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "homes": list(self.homes)}
+        return {**super().state_dict(), "view_counts": self.view_counts.clone()}
 
     def resume(self, state: dict[str, Any] | None = None) -> bool:
         """Go on from `state` (a whole-model checkpoint; None: the newest one). Shards written at
@@ -153,7 +155,7 @@ class DistTrainer(Trainer):
             except Exception as exc:  # noqa: BLE001 - any unreadable shard: one line, not a traceback
                 raise UserError(f"cannot read {shard_file(path, self.rank)}: {exc}") from None
             self.load_state_dict(state)
-            self.homes = list(state["homes"])
+            self.view_counts = state["view_counts"]
             return True
         self.load_state_dict(state)
         self._distribute()  # another world size: partition again
@@ -182,6 +184,11 @@ class DistTrainer(Trainer):
             self.params = shard
 
     # ----------------------------------------------------------------- step
+    def homes_of(self, idx: list[int]) -> list[int]:
+        """The renderer rank of each batch view: the rank owning most of what it sees, with
+        floor(B/W) or ceil(B/W) views per rank (the same on every rank: a function of the batch)."""
+        return assign_homes(self.view_counts.index_select(0, torch.tensor(idx))).tolist()
+
     def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any, Any]:
         """One step of the global batch. Returns (this rank's share of the loss, terms, its first
         rendered view and target, or None and None when it rendered none)."""
@@ -191,7 +198,7 @@ class DistTrainer(Trainer):
             views = [self.scene.train[i] for i in idx]
             batch = ViewBatch(torch.stack([self.train_cams[i][0] for i in idx]),
                               torch.stack([self.train_cams[i][1] for i in idx]), [v.width for v in views],
-                              [v.height for v in views], [self.homes[i] for i in idx])  # fmt: skip
+                              [v.height for v in views], self.homes_of(idx))  # fmt: skip
         with self.timer.phase("forward"):
             out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress)
         self.strategy.step_pre_backward(self.params, self.optimizers, step, out.owner_info)
