@@ -94,8 +94,8 @@ class DistTrainer(Trainer):
         # partitioned when fit starts, unless a checkpoint brings its shards (no profile wasted)
 
     # ----------------------------------------------------------------- partition
-    def _plan(self) -> tuple[torch.Tensor, list[int], list[int]]:
-        """(global order of the rows, rows per rank, home of each training view): rank 0 only."""
+    def _plan(self) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """(global order of the rows, rows per rank, [V, W] view-owner counts): rank 0 only."""
         p = {k: v.detach() for k, v in self.params.items()}
         n = len(p["means"])
         kind = self.cfg.dist.partition
