@@ -1,2 +1,3 @@
-"""Multi-process training pieces (issue 16): the record exchange, partitions, the comm model
-and the sharded renderer. Built on torch.distributed (gloo on CPU, NCCL on GPUs)."""
+"""Multi-process training (issue 16): the record exchange, partitions, the comm model, the sharded
+renderer, and the trainer that `torchrun -m gstrain fit` runs (trainer.py, launch.py, checkpoint.py).
+Built on torch.distributed (gloo on CPU, NCCL on GPUs)."""
