@@ -7,6 +7,7 @@ a second Ctrl-C, SIGTERM, a full disk) ends with a line that says what the folde
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +47,19 @@ def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
     return loaded
 
 
+def _fit_command() -> str:
+    """`gstrain fit`, or its torchrun form when this process is one of several ranks."""
+    if "RANK" not in os.environ or os.environ.get("WORLD_SIZE", "1") == "1":
+        return "gstrain fit"
+    return f"torchrun --nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])} -m gstrain fit"
+
+
 def kept_line(run_dir: Path, scene: Path) -> str:
     """What a stopped run folder holds, and the command that goes on from it."""
     from gstrain.train.checkpoint import list_checkpoints
 
     found = list_checkpoints(run_dir)
-    again = f"gstrain fit {scene} --out {run_dir} --resume"
+    again = f"{_fit_command()} {scene} --out {run_dir} --resume"
     if found:
         step, path = found[-1]
         return f"gstrain: {run_dir} keeps checkpoint {path} (step {step}); go on with: {again}"
@@ -148,11 +156,11 @@ def _report(result: Any, cfg: Any, scene: Path, run_dir: Path, log: Log) -> int:
         parts.append(f"test PSNR {result.final_test_psnr:.2f} dB")
     log("gstrain: " + ", ".join(parts) + f"; run folder {run_dir}")
     if result.status == "interrupted":
-        log(f"gstrain: resume with: gstrain fit {scene} --out {run_dir} --resume")
+        log(f"gstrain: resume with: {_fit_command()} {scene} --out {run_dir} --resume")
         return 130
     if result.status == "stopped":
         log(f"gstrain: paused at train.stop_at={cfg.train.stop_at} of {cfg.train.steps} steps; go on with: "
-            f"gstrain fit {scene} --out {run_dir} --resume --set train.stop_at=0")
+            f"{_fit_command()} {scene} --out {run_dir} --resume --set train.stop_at=0")
     if result.status == "nan":
         return 3
     return 0

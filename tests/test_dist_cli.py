@@ -76,6 +76,7 @@ def test_torchrun_fit_sigint_to_one_rank_stops_all_with_a_checkpoint(demo_scene,
     assert manifest["step"] == step and manifest["world"] == 2  # both ranks wrote their shard
     assert all(int(p.name.split("_")[1].split(".")[0]) <= step for p in (run / "ckpt").iterdir())
     assert err.count("checkpoint saved to") == 1  # rank 0 reports, once
+    assert f"resume with: torchrun --nproc-per-node=2 -m gstrain fit {demo_scene} --out {run} --resume" in err
     assert proc.returncode != 0
     # eval reads the sharded run, gathered into one model
     ev = subprocess.run([sys.executable, "-m", "gstrain", "eval", str(run), "--device", "cpu"],
