@@ -13,7 +13,10 @@ when on, the cull), of the cull alone, of our raster forward and of our raster b
 tuned to convergence first, one tuner per setting). Also the largest image difference and
 gradient error between off and on (they should be ~0: culled pairs are skipped anyway).
 
-    python -m bench.bench_cull [--beer .benchdata/beer] [--garden .benchdata/test_garden.npz] [--quick]
+    python -m bench.bench_cull [--beer .benchdata/beer] [--garden .benchdata/test_garden.npz] [--quick] [--compile]
+
+--compile also times the keep mask alone, eager and under torch.compile (the eager mask is ~30
+memory-bound kernels over the pair list; one fused kernel is what a CUDA version would cost).
 
 Prints a markdown table; writes JSON to $OUT/bench_cull.json (else bench/results/cull/).
 """
@@ -64,11 +67,49 @@ def dense_params(garden_npz: Path, sh_degree: int) -> dict[str, torch.Tensor]:
         "quats": wl["quats"],
         "opacities": torch.logit(wl["opacities"]),
         "sh0": ((wl["colors"] - 0.5) / SH_C0)[:, None, :].contiguous(),
-        "shN": torch.zeros(n, k, 3, device="cuda"),
+        "shN": torch.zeros(n, k, 3, device=wl["means"].device),
     }
 
 
-def bench_view(params, camera, sh_degree: int, warmup: int, reps: int) -> dict:
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_keep_mask() -> Callable | None:
+    """keep_mask through torch.compile (one fused kernel instead of ~30 eager ones), or None."""
+    if "fn" not in _COMPILED:
+        from gstrain.render.cull import keep_mask
+
+        try:
+            _COMPILED["fn"] = torch.compile(keep_mask, dynamic=True)
+        except Exception as exc:  # noqa: BLE001 - a missing compiler is a result here, not a crash
+            _COMPILED["fn"], _COMPILED["error"] = None, repr(exc)
+    return _COMPILED["fn"]  # type: ignore[return-value]
+
+
+def time_compiled_mask(plain, width: int, height: int, warmup: int, reps: int) -> dict:
+    """The mask alone, eager and compiled (the compaction and offsets are not in either)."""
+    from gstrain.render.cuda import TILE_SIZE
+    from gstrain.render.cull import keep_mask, pair_tiles
+
+    tiles = pair_tiles(plain.isect_offsets, plain.flatten_ids.numel())
+    args = (tiles, plain.flatten_ids, plain.means2d, plain.conics, plain.opacities, width, height, TILE_SIZE)
+    out = {"mask_only_ms": time_calls(lambda: keep_mask(*args), warmup, reps)}
+    fn = compiled_keep_mask()
+    if fn is not None:
+        try:
+            t0 = time.perf_counter()
+            same = bool(torch.equal(fn(*args), keep_mask(*args)))
+            out["compile_s"] = time.perf_counter() - t0
+            out["mask_compiled_ms"] = time_calls(lambda: fn(*args), warmup, reps)
+            out["compiled_mask_equal"] = same
+        except Exception as exc:  # noqa: BLE001
+            _COMPILED["fn"], _COMPILED["error"] = None, repr(exc)
+    if "error" in _COMPILED:
+        out["compile_error"] = _COMPILED["error"]
+    return out
+
+
+def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled: bool = False) -> dict:
     from gstrain.render.arc import ArcTuner
     from gstrain.render.common import RasterOptions
     from gstrain.render.cuda import TILE_SIZE, project_splats, rasterize_splats, splat_colors
@@ -78,8 +119,8 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int) -> dict:
     row: dict = {"width": width, "height": height}
     with torch.no_grad():
         colors = splat_colors(params, viewmat, sh_degree, project_splats(params, viewmat, K, width, height).radii)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    v_image = torch.randn(1, height, width, 3, device="cuda", generator=gen)
+    gen = torch.Generator(device=viewmat.device).manual_seed(0)
+    v_image = torch.randn(1, height, width, 3, device=viewmat.device, generator=gen)
     outputs = {}
     for cull in (False, True):
         tag = "on" if cull else "off"
@@ -96,6 +137,8 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int) -> dict:
                                            width, height, TILE_SIZE),
                 warmup, reps,
             )  # fmt: skip
+            if compiled:
+                row.update(time_compiled_mask(plain, width, height, warmup, reps))
         leaves = [t.detach().clone().requires_grad_(True) for t in (splats.means2d, splats.conics, colors)]
         splats.means2d = leaves[0]
         tuner = ArcTuner()
@@ -129,7 +172,7 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int) -> dict:
 
 
 def summarise(rows: list[dict]) -> dict:
-    keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float))]
+    keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float)) and not isinstance(rows[0][k], bool)]
     return {k: statistics.median(r[k] for r in rows) for k in keys}
 
 
@@ -138,6 +181,7 @@ def markdown(results: dict) -> str:
             "raster fwd ms off | on | speedup | raster bwd ms off | on | speedup | fwd+bwd+proj off | on | "
             "speedup | max image diff | max grad rel err |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    mask_lines = []
     for name, r in results.items():
         s = r["median"]
         tot_off = s["proj_isect_ms_off"] + s["raster_fwd_ms_off"] + s["raster_bwd_ms_off"]
@@ -155,6 +199,11 @@ def markdown(results: dict) -> str:
             f"{max(v['max_grad_rel_err'] for v in r['views']):.2e}",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+        if "mask_only_ms" in s:
+            compiled = f"{s['mask_compiled_ms']:.3f}" if "mask_compiled_ms" in s else "failed"
+            mask_lines.append(f"| {name} | {s['mask_only_ms']:.3f} | {compiled} |")
+    if mask_lines:
+        lines += ["", "| workload | keep mask eager ms | keep mask torch.compile ms |", "|---|---|---|", *mask_lines]
     return "\n".join(lines)
 
 
@@ -169,6 +218,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--quick", action="store_true", help="1 view, 5 reps, 2 warm-up calls")
+    ap.add_argument("--compile", action="store_true", help="also time the mask under torch.compile (adds compile time)")
     ap.add_argument("--json", default=None, help="output JSON (default: $OUT/bench_cull.json or bench/results/cull/)")
     args = ap.parse_args()
     if args.quick:
@@ -215,10 +265,11 @@ def main() -> int:
     for name, load in workloads:
         t1 = time.perf_counter()
         params, cameras, sh_degree = load()
-        params = {k: v.detach().to(device).float().contiguous() for k, v in params.items()}
+        dev = cameras[0][0].device  # where the workload put its views (the GPU)
+        params = {k: v.detach().to(dev).float().contiguous() for k, v in params.items()}
         step = max(len(cameras) // args.views, 1)
         picked = cameras[::step][: args.views]
-        rows = [bench_view(params, cam, sh_degree, args.warmup, args.reps) for cam in picked]
+        rows = [bench_view(params, cam, sh_degree, args.warmup, args.reps, args.compile) for cam in picked]
         n = int(params["means"].shape[0])
         results[name] = {"gaussians": n, "views": rows, "median": summarise(rows)}
         print(f"bench_cull: {name}: {n} Gaussians, {len(rows)} views at {rows[0]['width']}x{rows[0]['height']}, "
