@@ -225,11 +225,11 @@ def main() -> int:
         args.views, args.reps, args.warmup = 1, 5, 2
     if not torch.cuda.is_available():
         sys.exit("bench_cull: needs a CUDA GPU")
+    from bench.builds import build_all
     from gstrain.config import build_config
     from gstrain.profile import load_workload
-    from gstrain.render.cuda import ensure_built
 
-    ensure_built()
+    build_all(["raster"], gsplat=True)  # compile outside any timing
     cfg = build_config()
     device = torch.device("cuda")
     t0 = time.perf_counter()
