@@ -229,8 +229,10 @@ def test_min_sigma_on_rect_is_a_tight_lower_bound() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["atomic", "warp", "distwar", "arc"])
+@pytest.mark.parametrize("mode", ["atomic", "warp", "distwar", "arc", "gsplat"])
 def test_render_cuda_with_and_without_cull(mode: str) -> None:
+    """Our kernels in every atomic mode (and gsplat's rasterizer) give the same image and
+    gradients with the cull as without it, and the reference's; pytest -s prints the pair counts."""
     from gstrain.render.common import RasterOptions
     from gstrain.render.cuda import render_cuda
     from gstrain.render.reference import render_reference
@@ -266,8 +268,9 @@ def test_render_cuda_with_and_without_cull(mode: str) -> None:
         out.update({f"d_{k}": v.grad for k, v in p.items()})
         return out, info
 
-    off, info_off = run(torch.float32, render_cuda, options=RasterOptions(atomic_mode=mode))
-    on, info_on = run(torch.float32, render_cuda, options=RasterOptions(atomic_mode=mode, ellipse_cull=True))
+    kind = {"gsplat_raster": True} if mode == "gsplat" else {"atomic_mode": mode}
+    off, info_off = run(torch.float32, render_cuda, options=RasterOptions(**kind))
+    on, info_on = run(torch.float32, render_cuda, options=RasterOptions(**kind, ellipse_cull=True))
     ref, _ = run(torch.float64, render_reference)
     before, after = info_on["isect_pairs"]
     print(f"{mode}: pairs {before} -> {after} ({after / max(before, 1):.1%})")
