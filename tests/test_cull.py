@@ -224,6 +224,19 @@ def test_min_sigma_on_rect_is_a_tight_lower_bound() -> None:
     assert (grid - got <= 0.02 * (1 + grid)).all(), float((grid - got).max())
 
 
+def test_the_switch_is_off_by_default_and_reaches_the_renderer() -> None:
+    from gstrain.config import build_config
+    from gstrain.errors import UserError
+    from gstrain.render import Renderer
+
+    assert build_config().render.ellipse_cull is False
+    cfg = build_config(overrides=[{"render": {"ellipse_cull": True}}])
+    assert Renderer(cfg.render, torch.device("cpu")).options.ellipse_cull is True
+    assert Renderer(build_config().render, torch.device("cpu")).options.ellipse_cull is False
+    with pytest.raises(UserError, match="render.ellipse_cull"):
+        build_config(overrides=[{"render": {"ellipse_cull": "yes"}}])
+
+
 # ---------------------------------------------------------------------------------------------
 # on the GPU: our kernels with and without the cull, and the reference renderer
 
@@ -285,3 +298,4 @@ def test_render_cuda_with_and_without_cull(mode: str) -> None:
         r = ref[k].double().cpu()
         err_ref = (a - r).norm().item() / max(r.norm().item(), 1e-12)
         assert err_ref < (1e-4 if k in ("image", "alpha") else 2e-3), (k, err_ref)
+
