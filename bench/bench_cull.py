@@ -40,16 +40,10 @@ SH_C0 = 0.28209479177387814
 
 
 def time_calls(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median ms of `fn` over `reps` calls, each between its own pair of CUDA events."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events)
+    """Median ms of `fn` over `reps` calls (bench_raster's CUDA-event timing)."""
+    from bench.bench_raster import time_calls as event_times
+
+    return statistics.median(event_times(fn, warmup, reps))
 
 
 def dense_params(garden_npz: Path, sh_degree: int) -> dict[str, torch.Tensor]:
