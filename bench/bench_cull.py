@@ -133,6 +133,15 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled:
             )  # fmt: skip
             if compiled:
                 row.update(time_compiled_mask(plain, width, height, warmup, reps))
+                fn = compiled_keep_mask()
+                if fn is not None:
+
+                    def proj_compiled(f=fn):
+                        p = project_splats(params, viewmat, K, width, height)
+                        return cull_pairs(p.means2d, p.conics, p.opacities, p.isect_offsets, p.flatten_ids,
+                                          width, height, TILE_SIZE, mask_fn=f)  # fmt: skip
+
+                    row["proj_isect_ms_on_compiled"] = time_calls(proj_compiled, warmup, reps)
         leaves = [t.detach().clone().requires_grad_(True) for t in (splats.means2d, splats.conics, colors)]
         splats.means2d = leaves[0]
         tuner = ArcTuner()
@@ -166,8 +175,8 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled:
 
 
 def summarise(rows: list[dict]) -> dict:
-    keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float)) and not isinstance(rows[0][k], bool)]
-    return {k: statistics.median(r[k] for r in rows) for k in keys}
+    keys = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in sorted(keys)}
 
 
 def markdown(results: dict) -> str:
@@ -194,10 +203,13 @@ def markdown(results: dict) -> str:
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
         if "mask_only_ms" in s:
-            compiled = f"{s['mask_compiled_ms']:.3f}" if "mask_compiled_ms" in s else "failed"
-            mask_lines.append(f"| {name} | {s['mask_only_ms']:.3f} | {compiled} |")
+            keys = ("mask_compiled_ms", "proj_isect_ms_on_compiled")
+            compiled = [f"{s[k]:.3f}" if k in s else "failed" for k in keys]
+            mask_lines.append(f"| {name} | {s['mask_only_ms']:.3f} | {compiled[0]} | {s['proj_isect_ms_off']:.3f} | "
+                              f"{s['proj_isect_ms_on']:.3f} | {compiled[1]} |")  # fmt: skip
     if mask_lines:
-        lines += ["", "| workload | keep mask eager ms | keep mask torch.compile ms |", "|---|---|---|", *mask_lines]
+        lines += ["", "| workload | keep mask eager ms | keep mask torch.compile ms | proj+isect ms off | "
+                  "on (eager) | on (compiled mask) |", "|---|---|---|---|---|---|", *mask_lines]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ is the compaction (its size), after gsplat's isect_tiles has already synced for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,12 @@ def keep_mask(
     per_gaussian = torch.cat([means2d.reshape(-1, 2).float(), conics.reshape(-1, 3).float(), thr[:, None]], -1)
     g = per_gaussian.index_select(0, gaussians.long())  # one gather: [pairs, 6]
     t = tiles.long() % (tiles_x * tiles_y)
-    corner = torch.stack([t % tiles_x, t // tiles_x], -1).float() * tile_size
-    first = corner + 0.5  # pixel centres of the tile, clipped to the image
-    last = torch.minimum(corner + (tile_size - 0.5), first.new_tensor([width - 0.5, height - 0.5]))
+    corner_x = (t % tiles_x).float() * tile_size
+    corner_y = (t // tiles_x).float() * tile_size
+    # the tile's first and last pixel centres, clipped to the image (scalars: no host copy)
+    first = torch.stack([corner_x + 0.5, corner_y + 0.5], -1)
+    last = torch.stack([(corner_x + (tile_size - 0.5)).clamp_max(width - 0.5),
+                        (corner_y + (tile_size - 0.5)).clamp_max(height - 0.5)], -1)  # fmt: skip
     mean = g[:, 0:2]
     sigma = min_sigma_on_rect(first - mean, last - mean, g[:, 2:5])
     return ~(sigma > g[:, 5])  # NaN anywhere keeps the pair
@@ -80,14 +84,18 @@ def cull_pairs(
     width: int,
     height: int,
     tile_size: int,
+    mask_fn: Callable[..., Tensor] = keep_mask,
 ) -> CulledPairs:
     """Drop the pairs of gsplat's intersection (isect_offsets [C,th,tw], flatten_ids [M]) that
-    cannot reach 1/255 anywhere on their tile; the rest keep their (tile, depth) order."""
+    cannot reach 1/255 anywhere on their tile; the rest keep their (tile, depth) order.
+
+    mask_fn: keep_mask or a drop-in for it (bench_cull times a torch.compile'd one).
+    """
     n_pairs = flatten_ids.numel()
     if n_pairs == 0:
         return CulledPairs(isect_offsets, flatten_ids, 0, 0)
     tiles = pair_tiles(isect_offsets, n_pairs)
-    keep = keep_mask(tiles, flatten_ids, means2d, conics, opacities, width, height, tile_size)
+    keep = mask_fn(tiles, flatten_ids, means2d, conics, opacities, width, height, tile_size)
     # a tile's new first pair = the number of kept pairs before its old first pair
     kept_before = torch.zeros(n_pairs + 1, device=keep.device, dtype=torch.int32)
     torch.cumsum(keep, 0, dtype=torch.int32, out=kept_before[1:])
