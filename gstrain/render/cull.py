@@ -61,7 +61,7 @@ def keep_mask(
     tiles_y = (height + tile_size - 1) // tile_size
     thr = sigma_threshold(conics.reshape(-1, 3).float(), opacities.reshape(-1).float())
     per_gaussian = torch.cat([means2d.reshape(-1, 2).float(), conics.reshape(-1, 3).float(), thr[:, None]], -1)
-    g = per_gaussian.index_select(0, gaussians.long())  # one gather: [pairs, 6]
+    g = per_gaussian.index_select(0, gaussians)  # one gather: [pairs, 6] (int32 ids index directly)
     t = tiles.long() % (tiles_x * tiles_y)
     corner_x = (t % tiles_x).float() * tile_size
     corner_y = (t // tiles_x).float() * tile_size
