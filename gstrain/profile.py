@@ -36,6 +36,7 @@ SWITCHES = {
     "conv SSIM": ("train", "fused_ssim", False),
     "torch Adam": ("optim", "fused_adam", False),
     "gsplat stats": ("strategy", "fast_stats", False),
+    "no ellipse cull": ("render", "ellipse_cull", False),  # opt-in: differs from "all on" only when set
 }
 # (label, phase key) rows of the table; backward_rest and total are derived.
 TABLE_ROWS = (

@@ -52,7 +52,7 @@ class Renderer:
                 self.tuner = ArcTuner()
         self.options = RasterOptions(
             absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
-            tuner=self.tuner, gsplat_raster=backend == "gsplat",
+            tuner=self.tuner, gsplat_raster=backend == "gsplat", ellipse_cull=cfg.ellipse_cull,
         )  # fmt: skip
 
     def __call__(

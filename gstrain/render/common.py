@@ -18,7 +18,8 @@ class RasterOptions:
     gsplat_raster: composite with gsplat's rasterize_to_pixels (render.backend=gsplat) instead of
     our kernels; the other fields then only keep absgrad. atomic_mode / atomic_threshold: our
     backward's reduction (config.ATOMIC_MODES). tuner: arc's ArcTuner (None: the process-wide
-    one). vector_atomics: None = our default for the mode.
+    one). vector_atomics: None = our default for the mode. ellipse_cull: drop the (Gaussian, tile)
+    pairs whose alpha is provably < 1/255 on the whole tile before either rasterizer runs.
     """
 
     absgrad: bool = False
@@ -27,6 +28,7 @@ class RasterOptions:
     tuner: Any = None  # gstrain.render.arc.ArcTuner (kept loose: this module loads no CUDA code)
     vector_atomics: bool | None = None
     gsplat_raster: bool = False
+    ellipse_cull: bool = False
 
 
 DEFAULT_OPTIONS = RasterOptions()  # our kernels, arc, no absgrad

@@ -239,12 +239,15 @@ class Splats:
     flatten_ids: Tensor  # [M]
     width: int
     height: int
+    pairs: tuple[int, int] = (0, 0)  # (Gaussian, tile) pairs from isect_tiles, and after the cull
 
 
 def project_splats(
-    params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int
+    params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
+    ellipse_cull: bool = False,
 ) -> Splats:
-    """gsplat's public projection and tile intersection for one camera."""
+    """gsplat's public projection and tile intersection for one camera; with ellipse_cull, the
+    pairs whose alpha is provably < 1/255 on their whole tile are dropped (gstrain/render/cull.py)."""
     from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
 
     radii, means2d, depths, conics, _ = fully_fused_projection(
@@ -258,7 +261,13 @@ def project_splats(
     )
     isect_offsets = isect_offset_encode(isect_ids, 1, tiles_x, tiles_y)
     opacities = torch.sigmoid(params["opacities"])[None]
-    return Splats(means2d, conics, depths, radii, opacities, isect_offsets, flatten_ids, width, height)
+    pairs = (flatten_ids.numel(), flatten_ids.numel())
+    if ellipse_cull:
+        from gstrain.render.cull import cull_pairs
+
+        kept = cull_pairs(means2d, conics, opacities, isect_offsets, flatten_ids, width, height, TILE_SIZE)
+        isect_offsets, flatten_ids, pairs = kept.isect_offsets, kept.flatten_ids, (kept.pairs_before, kept.pairs_after)
+    return Splats(means2d, conics, depths, radii, opacities, isect_offsets, flatten_ids, width, height, pairs)
 
 
 def splat_colors(params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, sh_degree: int,
@@ -321,7 +330,7 @@ def render_cuda(
     intersection), raster_fwd, and raster_bwd (the rasterizer's share of backward).
     """
     with phase(timer, "projection"):
-        splats = project_splats(params, viewmat, K, width, height)
+        splats = project_splats(params, viewmat, K, width, height, options.ellipse_cull)
         colors = splat_colors(params, viewmat, sh_degree, splats.radii)
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
@@ -330,6 +339,7 @@ def render_cuda(
         if span is not None:
             image = span.output(image)
     info = strategy_info(splats.means2d, splats.radii, splats.depths, splats.conics, width, height, TILE_SIZE)
+    info["isect_pairs"] = splats.pairs  # host ints (before, after the cull): reading them costs no sync
     return image[0], alpha[0], info
 
 

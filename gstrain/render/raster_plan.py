@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gstrain.render.alpha_bound import alpha_extent
+
 
 @dataclass
 class _Plan:
@@ -29,24 +31,6 @@ class _Plan:
     cells_y: int
     # (cell ids [Tc], Gaussian ids [Tc,K] front to back padded with n, list lengths [Tc])
     chunks: list[tuple[Tensor, Tensor, Tensor]]
-
-
-@torch.no_grad()
-def _alpha_extent(conics: Tensor, opacities: Tensor) -> Tensor:
-    """Half-extents [N,2] of a box holding every offset where opacity * exp(-sigma) >= 1/255.
-
-    sigma = d^T Q d / 2 <= log(255 o) is an ellipse with half-extents sqrt(2 log(255 o) Q^-1_ii).
-    Padded (relative and absolute) so float rounding can never cut off a pixel; inf when the
-    conic is not positive definite (sigma unbounded below: no box).
-    """
-    a, b, c = conics.unbind(-1)
-    det = a * c - b * b
-    pd = (a > 0) & (c > 0) & (det > 0)
-    det = torch.where(pd, det, torch.ones_like(det))
-    s_max = torch.log((opacities * 255.0).clamp_min(1e-30)).clamp_min(0.0)
-    ext = torch.stack([(2 * s_max * c / det).sqrt(), (2 * s_max * a / det).sqrt()], -1) * 1.001 + 1e-3
-    ok = pd[:, None] & torch.isfinite(ext)
-    return torch.where(ok, ext, torch.full_like(ext, float("inf")))
 
 
 @torch.no_grad()
@@ -100,7 +84,7 @@ def _plan_cells(
 
     if r > 1:
         # split each (tile, Gaussian) pair into the tile's cells the Gaussian can reach
-        ext = _alpha_extent(conics.detach(), opacities.detach())
+        ext = alpha_extent(conics.detach(), opacities.detach())
         mg, eg = m.index_select(0, gid), ext.index_select(0, gid)
         lo, hi_ = mg - eg, mg + eg  # box of the pixel centres it can reach
         off = torch.arange(r, device=dev)
