@@ -36,7 +36,10 @@ SWITCHES = {
     "conv SSIM": ("train", "fused_ssim", False),
     "torch Adam": ("optim", "fused_adam", False),
     "gsplat stats": ("strategy", "fast_stats", False),
-    "no ellipse cull": ("render", "ellipse_cull", False),  # opt-in: differs from "all on" only when set
+}
+# Opt-in switches (off by default): profiled turned on over the configuration as given; off in the baseline.
+OPT_IN = {
+    "+ ellipse cull": ("render", "ellipse_cull", True),
 }
 # (label, phase key) rows of the table; backward_rest and total are derived.
 TABLE_ROWS = (
@@ -253,7 +256,8 @@ def profile_mode(work: Workload, cfg: Config, column: str, iters: int, warmup: i
 
 
 def switch_variants(cfg: Config) -> dict[str, Config]:
-    """The configuration as given, the same with each speed switch turned off alone, and with all off."""
+    """The configuration as given, the same with each speed switch turned off alone, each opt-in
+    switch turned on alone (unless the configuration has it on already), and with all off."""
     variants = {"all on": copy.deepcopy(cfg)}
     baseline = copy.deepcopy(cfg)
     for label, (section, key, off) in SWITCHES.items():
@@ -261,6 +265,12 @@ def switch_variants(cfg: Config) -> dict[str, Config]:
         setattr(getattr(variant, section), key, off)
         setattr(getattr(baseline, section), key, off)
         variants[label] = variant
+    for label, (section, key, on) in OPT_IN.items():
+        if getattr(getattr(cfg, section), key) != on:
+            variant = copy.deepcopy(cfg)
+            setattr(getattr(variant, section), key, on)
+            variants[label] = variant
+        setattr(getattr(baseline, section), key, not on)
     variants["baseline"] = baseline
     return variants
 
