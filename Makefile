@@ -22,7 +22,9 @@ demo: setup
 	$(VENV)/bin/gstrain eval runs/demo
 
 test: setup
-	$(PY) -m pytest -q
+	# one torch thread: on 2 busy cores more threads made CPU training many times slower (README),
+	# and the bit-identical golden test needs one; subprocesses inherit it
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check gstrain tests bench
