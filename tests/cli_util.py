@@ -37,7 +37,8 @@ def call_cli(*args: str | Path) -> tuple[int, str]:
     from gstrain.cli import main
 
     err = io.StringIO()
-    previous = signal.getsignal(signal.SIGTERM)
+    # main() installs its SIGTERM handler and ignores both signals once the command returns
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     argv = sys.argv
     sys.argv = ["gstrain", *map(str, args)]
     try:
@@ -49,7 +50,8 @@ def call_cli(*args: str | Path) -> tuple[int, str]:
                 code = exc.code if isinstance(exc.code, int) else 1
     finally:
         sys.argv = argv
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return code, err.getvalue()
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pycolmap
 import pytest
 import torch
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_user_error, call_cli, run_cli
 
 from gstrain.train.checkpoint import list_checkpoints
 
@@ -105,23 +105,23 @@ def test_eval_and_export_on_non_run(tmp_path):
 
 def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     run = tmp_path / "run"
-    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "300", "--seed", "1", *FAST,
+    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "150", "--seed", "1", *FAST,
                    "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
-                   "--set", "log.ckpt_every=100")
+                   "--set", "log.ckpt_every=50")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
-    assert summary["status"] == "done" and summary["steps"] == 300
+    assert summary["status"] == "done" and summary["steps"] == 150
     # Training must clearly beat the initial point-cloud render on held-out views.
     assert summary["final_test_psnr"] > summary["initial_test_psnr"] + 4.0, summary
     # the test curve: step 0 and the last step (the final figures are the last evaluation's)
     history = summary["test_history"]
-    assert [h["step"] for h in history] == [0, 300]
+    assert [h["step"] for h in history] == [0, 150]
     assert history[0]["psnr"] == summary["initial_test_psnr"]
     assert (history[-1]["psnr"], history[-1]["ssim"]) == (summary["final_test_psnr"], summary["final_test_ssim"])
     assert summary["final_train_psnr"] > summary["initial_test_psnr"] + 4.0  # a training view, same bar
     assert summary["max_gaussians"] >= summary["num_gaussians"] > 0
-    assert (run / "config.yaml").is_file() and (run / "ckpt" / "step_300.pt").is_file()
-    assert (run / "point_cloud" / "iteration_300" / "point_cloud.ply").is_file()
+    assert (run / "config.yaml").is_file() and (run / "ckpt" / "step_150.pt").is_file()
+    assert (run / "point_cloud" / "iteration_150" / "point_cloud.ply").is_file()
     assert any((run / "tb").iterdir())
     # where the time went: per-phase means, host time, wall clock per step
     phases = summary["phase_ms_per_step"]
@@ -129,7 +129,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert all(v > 0 for v in phases.values())
     assert set(summary["host_ms_per_step"]) == set(phases)
     assert summary["wall_ms_per_step"] >= sum(phases[k] for k in ("data", "forward", "loss", "backward"))
-    assert [s for s, _ in list_checkpoints(run)] == [200, 300]  # background writes, keep=2
+    assert [s for s, _ in list_checkpoints(run)] == [100, 150]  # background writes, keep=2
 
     proc = run_cli("eval", run)
     assert proc.returncode == 0, proc.stderr
@@ -153,7 +153,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     from gstrain.model import load_ply
 
     params = load_ply(out)
-    state = torch.load(run / "ckpt" / "step_300.pt", weights_only=False)
+    state = torch.load(run / "ckpt" / "step_150.pt", weights_only=False)
     for key, value in state["params"].items():
         assert torch.equal(params[key].detach(), value), key
 
@@ -161,12 +161,24 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert_user_error(again, "already holds a run")
 
 
-def test_resume_matches_uninterrupted_run(demo_scene, tmp_path):
+# One uninterrupted 80-step run serves the resume and the pause tests (checkpoints every 40 steps
+# leave training unchanged: tests/test_trainer.py).
+RESUME_ARGS = ["--steps", "80", "--seed", "3", *FAST, "--set", "strategy.refine_start=20",
+               "--set", "strategy.refine_every=20", "--set", "log.ckpt_every=40", "--set", "log.keep_ckpts=0"]
+
+
+@pytest.fixture(scope="module")
+def full_80(demo_scene, tmp_path_factory) -> Path:
+    full = tmp_path_factory.mktemp("full80") / "run"
+    proc = run_cli("fit", demo_scene, "--out", full, *RESUME_ARGS)
+    assert proc.returncode == 0, proc.stderr
+    return full
+
+
+def test_resume_matches_uninterrupted_run(demo_scene, tmp_path, full_80):
     """Resuming from the step-40 checkpoint of an 80-step run reproduces its step-80 state exactly."""
-    common = ["--steps", "80", "--seed", "3", *FAST, "--set", "strategy.refine_start=20",
-              "--set", "strategy.refine_every=20", "--set", "log.ckpt_every=40", "--set", "log.keep_ckpts=0"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert run_cli("fit", demo_scene, "--out", full, *common).returncode == 0
+    common = RESUME_ARGS
+    full, part = full_80, tmp_path / "part"
     shutil.copytree(full, part)
     (part / "ckpt" / "step_80.pt").unlink()  # as if it had stopped right after step 40
     proc = run_cli("fit", demo_scene, "--out", part, "--resume", *common)
@@ -191,13 +203,11 @@ def test_resume_matches_uninterrupted_run(demo_scene, tmp_path):
             assert torch.equal(value, b["strategy"][key]), key
 
 
-def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_path):
+def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_path, full_80):
     """train.stop_at=40 of 80 steps pauses with a checkpoint and an evaluation; --resume with
     stop_at=0 then ends bit for bit where an unpaused 80-step run ends (the schedules span 80)."""
-    common = ["--steps", "80", "--seed", "4", *FAST, "--set", "strategy.refine_start=20",
-              "--set", "strategy.refine_every=20", "--set", "log.ckpt_every=0"]
-    full, paused = tmp_path / "full", tmp_path / "paused"
-    assert run_cli("fit", demo_scene, "--out", full, *common).returncode == 0
+    common = [*RESUME_ARGS, "--set", "log.ckpt_every=0"]  # only the pause and the end write one
+    full, paused = full_80, tmp_path / "paused"
     proc = run_cli("fit", demo_scene, "--out", paused, *common, "--set", "train.stop_at=40")
     assert proc.returncode == 0, proc.stderr
     assert "paused at train.stop_at=40 of 80 steps" in proc.stderr and "--set train.stop_at=0" in proc.stderr
@@ -224,8 +234,8 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
 
 def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
     run = tmp_path / "beer"
-    proc = run_cli("fit", beer_scene, "--factor", "8", "--steps", "300", "--out", run, *FAST,
-                   "--set", "strategy.refine_start=100", "--set", "strategy.refine_every=100")
+    proc = run_cli("fit", beer_scene, "--factor", "8", "--steps", "150", "--out", run, *FAST,
+                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50")
     assert proc.returncode == 0, proc.stderr
     assert "undistorted" in proc.stderr.lower()  # SIMPLE_RADIAL cameras are undistorted, and it says so
     summary = json.loads((run / "train_summary.json").read_text())
@@ -239,11 +249,15 @@ def test_profile_needs_a_gpu(demo_scene):
 
 
 def test_profile_bad_flags(demo_scene):
-    assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "fast"), "--atomic-mode must be one of")
-    assert_user_error(run_cli("profile", demo_scene, "--atomic-mode", "arc,gsplat"), "use --backend gsplat")
-    assert_user_error(run_cli("profile", demo_scene, "--backend", "vulkan"), "--backend must be one of")
-    assert_user_error(run_cli("profile", demo_scene, "--switches", "--atomic-mode", "arc,warp"), "one rasterizer")
-    assert_user_error(run_cli("profile", demo_scene, "--iters", "0"), "--iters must be >= 1")
+    # in this process (each line a subprocess would cost a torch import): exit 2, one error line
+    for args, needle in ((["--atomic-mode", "fast"], "--atomic-mode must be one of"),
+                         (["--atomic-mode", "arc,gsplat"], "use --backend gsplat"),
+                         (["--backend", "vulkan"], "--backend must be one of"),
+                         (["--switches", "--atomic-mode", "arc,warp"], "one rasterizer"),
+                         (["--iters", "0"], "--iters must be >= 1")):
+        code, err = call_cli("profile", demo_scene, *args)
+        errors = [line for line in err.splitlines() if line.startswith("gstrain: error:")]
+        assert code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in err, (args, err)
 
 
 def test_installed_console_script():
