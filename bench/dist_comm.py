@@ -16,7 +16,7 @@ Scenes:
           --far metres. The far limit stands in for occlusion (projection culls only by frustum,
           so without it every camera down a street would "touch" the whole city behind walls).
 
-Usage: python bench/dist_comm.py [--scenes beer,garden,city] [--city-n 10000000] [--out bench/results/dist_comm]
+Usage: python -m bench.dist_comm [--scenes beer,garden,city] [--city-n 10000000] [--out bench/results/dist_comm]
 """
 
 from __future__ import annotations
