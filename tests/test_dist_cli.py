@@ -78,6 +78,9 @@ def test_torchrun_fit_sigint_to_one_rank_stops_all_with_a_checkpoint(demo_scene,
     assert err.count("checkpoint saved to") == 1  # rank 0 reports, once
     assert f"resume with: torchrun --nproc-per-node=2 -m gstrain fit {demo_scene} --out {run} --resume" in err
     assert proc.returncode != 0
+    # rank 0's record has its share of the exchange: records went both ways between the two ranks
+    comm = json.loads((run / "train_summary.json").read_text())["comm_bytes_per_step"]
+    assert comm["sent"] > 0 and comm["received"] > 0, comm
     # eval reads the sharded run, gathered into one model
     ev = subprocess.run([sys.executable, "-m", "gstrain", "eval", str(run), "--device", "cpu"],
                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from gstrain.config import Config
 from gstrain.data.scene import Scene
 from gstrain.dist.checkpoint import save_sharded
+from gstrain.dist.exchange import CommCounter
 from gstrain.dist.launch import collective_errors
 from gstrain.dist.partition import (
     access_profile,
@@ -88,6 +89,7 @@ class DistTrainer(Trainer):
         self.view_counts = torch.zeros(0, self.world, dtype=torch.int64)
         # rows of the partitioned model in the whole model's order before it (rank-major)
         self.row_order = torch.arange(0)
+        self.comm = CommCounter()  # this rank's exchange bytes, folded into the run record every step
         with collective_errors(self.rank, cfg.dist.timeout_s):
             for p in self.params.values():  # rank 0 decides the initial model
                 dist.broadcast(p.data, 0)
@@ -200,7 +202,8 @@ class DistTrainer(Trainer):
                               torch.stack([self.train_cams[i][1] for i in idx]), [v.width for v in views],
                               [v.height for v in views], self.homes_of(idx))  # fmt: skip
         with self.timer.phase("forward"):
-            out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress)
+            out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress,
+                                 counter=self.comm)
         self.strategy.step_pre_backward(self.params, self.optimizers, step, out.owner_info)
         loss, terms, gts = out.zero_term, {}, []
         with self.timer.phase("loss"):
@@ -212,6 +215,10 @@ class DistTrainer(Trainer):
                 for k, t in parts.items():
                     terms[k] = terms.get(k, 0) + t.detach() / b
         self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
+        sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
+        self.record.comm_sent += sent
+        self.record.comm_received += received
+        self.comm.reset()
         image = out.images[0].detach() if out.views else None
         return loss.detach(), terms, image, gts[0] if gts else None
 

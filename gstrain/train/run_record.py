@@ -42,6 +42,9 @@ class RunRecord:
     phase_ms_sum: dict[str, float] = field(default_factory=dict)  # over logged windows
     host_ms_sum: dict[str, float] = field(default_factory=dict)
     phase_steps: int = 0
+    # bytes this rank sent to / received from other ranks over this process's steps (sharded runs)
+    comm_sent: int = 0
+    comm_received: int = 0
 
     def add_window(self, phase_ms: dict[str, float], host_ms: dict[str, float], steps: int) -> None:
         """Per-step means of one timing window of `steps` steps."""
@@ -97,5 +100,9 @@ def write_run_record(
             round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
         ),
     }  # fmt: skip
+    if record.comm_sent or record.comm_received:  # the writing rank's own exchange, per step
+        steps = max(result.step - record.first_step, 1)
+        summary["comm_bytes_per_step"] = {"sent": round(record.comm_sent / steps),
+                                          "received": round(record.comm_received / steps)}
     write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     return summary
