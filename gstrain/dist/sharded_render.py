@@ -26,9 +26,12 @@ from torch import Tensor
 
 from gstrain.dist.exchange import CommCounter, exchange, exchange_counts, rank_and_world
 from gstrain.dist.layout import META_DTYPE, N_DIFF
-from gstrain.render.common import strategy_info
+from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, strategy_info
 from gstrain.render.reference import camera_centre, project_gaussians, rasterize
 from gstrain.render.sh import num_sh_bases, sh_to_color
+
+# backends whose owners project with gsplat and whose renderers rasterize with CUDA kernels
+_CUDA_BACKENDS = ("cuda", "gsplat")
 
 __all__ = ["ShardedRender", "ViewBatch", "render_sharded"]
 
@@ -66,6 +69,71 @@ def _colors_sh(shard: Mapping[str, Tensor], sh_degree: int) -> Tensor:
     return torch.cat([sh, shard["shN"][:, : nb - 1]], dim=1) if nb > 1 else sh
 
 
+def _project(shard: Mapping[str, Tensor], batch: ViewBatch, scales: Tensor, on_gpu: bool) -> tuple[Tensor, ...]:
+    """means2d [B,n,2], radii [B,n,2] int32, conics [B,n,3], depths [B,n] of this shard in every
+    batch view: gsplat's projection on a CUDA backend (as render_cuda), else the reference's."""
+    means, n_batch = shard["means"], len(batch)
+    if not n_batch:
+        n = means.shape[0]
+        radii = torch.zeros(0, n, 2, dtype=torch.int32, device=means.device)
+        return means.new_zeros(0, n, 2), radii, means.new_zeros(0, n, 3), means.new_zeros(0, n)
+    if on_gpu:
+        from gsplat import fully_fused_projection
+
+        outs = [
+            fully_fused_projection(means, None, shard["quats"], scales, batch.viewmats[i : i + 1].to(means),
+                                   batch.Ks[i : i + 1].to(means), int(batch.widths[i]), int(batch.heights[i]),
+                                   eps2d=0.3, near_plane=0.01, packed=False)  # fmt: skip
+            for i in range(n_batch)
+        ]
+        radii, means2d, depths, conics = (torch.cat([o[k] for o in outs]) if n_batch > 1 else outs[0][k]
+                                          for k in range(4))  # fmt: skip
+        return means2d, radii, conics, depths
+    projs = [
+        project_gaussians(means, shard["quats"], scales, batch.viewmats[i].to(means), batch.Ks[i].to(means),
+                          int(batch.widths[i]), int(batch.heights[i]))  # fmt: skip
+        for i in range(n_batch)
+    ]
+    fields = ("means2d", "radii", "conics", "depths")
+    return tuple(torch.stack([getattr(p, f) for p in projs]) for f in fields)
+
+
+def _colors(sh: Tensor, dirs: Tensor, sh_degree: int, on_gpu: bool) -> Tensor:
+    """max(SH(dirs) + 0.5, 0) of the records: gsplat's SH on a CUDA backend, else the reference's."""
+    if on_gpu and sh.numel():
+        from gsplat import spherical_harmonics
+
+        return torch.clamp_min(spherical_harmonics(sh_degree, dirs, sh) + 0.5, 0.0)
+    return sh_to_color(sh, dirs, sh_degree)
+
+
+def _rasterize_view(rec: Tensor, meta: Tensor, width: int, height: int, background: Tensor | None,
+                    backend: str, options: RasterOptions) -> tuple[Tensor, Tensor]:
+    """One view from its received records: our CUDA kernels (or gsplat's rasterizer) after gsplat's
+    tile intersection on a CUDA backend, else the reference rasterizer. image [H,W,3], alpha [H,W,1]."""
+    depth = meta[:, 0].contiguous().view(torch.float32).to(rec.dtype)
+    means2d, conics, opac, colors = rec[:, 0:2], rec[:, 2:5], rec[:, 5], rec[:, 6:9]
+    radii = meta[:, 1:3]
+    if backend not in _CUDA_BACKENDS:
+        return rasterize(means2d, conics, colors, opac, radii, depth, width, height, background)
+    from gstrain.render.cuda import intersect_splats, rasterize_splats
+
+    one = [t.contiguous()[None] for t in (means2d, conics, opac, radii, depth, colors)]
+    splats = intersect_splats(*one[:5], width, height, options.ellipse_cull)
+    image, alpha = rasterize_splats(splats, one[5], background, options)
+    return image[0], alpha[0]
+
+
+def _compact(mask: Tensor, total: int) -> Tensor:
+    """Flat positions of the True entries of `mask`, ascending, as torch.nonzero gives them, but
+    without its host sync (it must learn its size; the caller knows it already: `total`)."""
+    flat = mask.reshape(-1)
+    slot = torch.where(flat, torch.cumsum(flat, 0) - 1, total)  # misses go to a spill slot at the end
+    out = torch.empty(total + 1, dtype=torch.int64, device=flat.device)
+    out.scatter_(0, slot, torch.arange(flat.numel(), device=flat.device))
+    return out[:total]
+
+
 def render_sharded(
     shard: Mapping[str, Tensor],
     batch: ViewBatch,
@@ -74,72 +142,78 @@ def render_sharded(
     compress: str = "none",
     counter: CommCounter | None = None,
     group: dist.ProcessGroup | None = None,
+    backend: str = "reference",
+    options: RasterOptions = DEFAULT_OPTIONS,
 ) -> ShardedRender:
     """Render this rank's batch views (homes == rank) from every rank's shard (CONVENTIONS'
-    parameter names and activations, as render_reference). Collective: all ranks call it."""
+    parameter names and activations, as render_reference). Collective: all ranks call it.
+
+    backend: reference (PyTorch, any device) or, on a GPU, cuda / gsplat (config's render.backend
+    after auto): owners project with gsplat, renderers rasterize as render_cuda does with `options`.
+    """
     rank, world = rank_and_world(group)
     n_batch = len(batch)
+    on_gpu = backend in _CUDA_BACKENDS
     means = shard["means"]
     sh = _colors_sh(shard, sh_degree)
     scales = torch.exp(shard["scales"])
     opac_all = torch.sigmoid(shard["opacities"])
 
     # ---- owner: project for every batch view, pack visible records by renderer rank
-    projs = [
-        project_gaussians(means, shard["quats"], scales, batch.viewmats[i].to(means), batch.Ks[i].to(means),
-                          int(batch.widths[i]), int(batch.heights[i]))  # fmt: skip
-        for i in range(n_batch)
-    ]
-    n_own = means.shape[0]
-    if n_batch:
-        means2d = torch.stack([p.means2d for p in projs])
-        radii = torch.stack([p.radii for p in projs])
-        conics = torch.stack([p.conics for p in projs])
-        depths = torch.stack([p.depths for p in projs])
-    else:
-        means2d, conics, depths = means.new_zeros(0, n_own, 2), means.new_zeros(0, n_own, 3), means.new_zeros(0, n_own)
-        radii = torch.zeros(0, n_own, 2, dtype=torch.int32, device=means.device)
+    means2d, radii, conics, depths = _project(shard, batch, scales, on_gpu)
     send_order = sorted(range(n_batch), key=lambda i: (int(batch.homes[i]), i))
-    order_t = torch.tensor(send_order, dtype=torch.int64, device=means.device)
-    # one nonzero over [views in send order, Gaussians]: records view by view, ascending local index
-    pos, li = torch.nonzero((radii.index_select(0, order_t) > 0).all(-1), as_tuple=True)
-    vi = order_t.index_select(0, pos)
-    counts = torch.bincount(pos, minlength=n_batch)
-    cams = torch.stack([camera_centre(batch.viewmats[i].to(means)) for i in range(n_batch)]) if n_batch else None
-    if li.numel():
-        colors = sh_to_color(sh.index_select(0, li), means.index_select(0, li) - cams.index_select(0, vi), sh_degree)
-        payload = torch.cat([means2d[vi, li], conics[vi, li], opac_all.index_select(0, li)[:, None], colors], 1)
-        depth_bits = depths.detach()[vi, li].float().view(META_DTYPE)
-        meta = torch.cat([depth_bits[:, None], radii[vi, li].to(META_DTYPE)], 1)
-    else:
-        payload = means.new_zeros(0, N_DIFF)
-        meta = torch.zeros(0, 3, dtype=META_DTYPE, device=means.device)
+    # a pageable host tensor copied without non_blocking would wait for the GPU's queue
+    order_t = torch.tensor(send_order, dtype=torch.int64).to(means.device, non_blocking=True)
+    n_own = means.shape[0]
+    visible = (radii > 0).all(-1).index_select(0, order_t)  # [views in send order, Gaussians]
+    counts = visible.sum(1)
 
-    # ---- counts, then records, to the renderers (the uneven split needs the counts on the host)
+    # ---- counts to the renderers (the uneven split needs them on the host: the one sync here)
     views_of = [[i for i in range(n_batch) if int(batch.homes[i]) == r] for r in range(world)]
     mine = views_of[rank]
     per_dest = [len(v) for v in views_of]
     got = exchange_counts(counts, per_dest, [len(mine)] * world, counter, group)
-    got = got.view(world, len(mine))  # [source, my view]
-    got_host = got.tolist()
+    host = torch.cat([counts, got.flatten().to(counts)]).tolist()
+    counts_host, got_flat = host[:n_batch], host[n_batch:]
+    got_host = [got_flat[s * len(mine) : (s + 1) * len(mine)] for s in range(world)]  # [source][my view]
+    total = sum(counts_host)
+
+    # ---- owner: pack the visible records, view by view (send order), ascending local index
+    flat = _compact(visible, total)
+    li = flat % max(n_own, 1)
+    vi = order_t.index_select(0, flat // max(n_own, 1))
+    if total:
+        rows = vi * n_own + li  # index_select, not [vi, li]: its backward is an index_add, no sort
+        cams = torch.stack([camera_centre(batch.viewmats[i].to(means)) for i in range(n_batch)])
+        dirs = means.index_select(0, li) - cams.index_select(0, vi)
+        colors = _colors(sh.index_select(0, li), dirs, sh_degree, on_gpu)
+        projected = torch.cat([means2d, conics], -1).reshape(-1, 5).index_select(0, rows)
+        payload = torch.cat([projected, opac_all.index_select(0, li)[:, None], colors], 1)
+        depth_bits = depths.detach().reshape(-1).index_select(0, rows).float().view(META_DTYPE)
+        meta = torch.cat([depth_bits[:, None], radii.reshape(-1, 2).index_select(0, rows).to(META_DTYPE)], 1)
+    else:
+        payload = means.new_zeros(0, N_DIFF)
+        meta = torch.zeros(0, 3, dtype=META_DTYPE, device=means.device)
     send_splits = [0] * world
-    for i, c in zip(send_order, counts.tolist(), strict=True):
+    for i, c in zip(send_order, counts_host, strict=True):
         send_splits[int(batch.homes[i])] += c
     recv_splits = [sum(row) for row in got_host]
     recv, recv_meta, _ = exchange(payload, send_splits, recv_splits, meta, compress, counter, group)
 
     # ---- renderer: regroup rows view by view (source order kept), rasterize
-    view_of_row = torch.repeat_interleave(torch.arange(len(mine), device=got.device).repeat(world), got.flatten())
-    perm = torch.argsort(view_of_row, stable=True)
     per_view = [sum(col) for col in zip(*got_host, strict=True)] if mine else []
-    recs = recv.index_select(0, perm).split(per_view)
-    rmeta = recv_meta.index_select(0, perm).split(per_view)
+    if world > 1 and len(mine) > 1:  # rows come source by source: interleaved views
+        sizes = torch.tensor(got_flat, dtype=torch.int64).to(recv.device, non_blocking=True)
+        view_ids = torch.arange(len(mine), device=recv.device).repeat(world)
+        view_of_row = torch.repeat_interleave(view_ids, sizes, output_size=sum(recv_splits))
+        perm = torch.argsort(view_of_row, stable=True)
+        recv, recv_meta = recv.index_select(0, perm), recv_meta.index_select(0, perm)
+    recs = recv.split(per_view)
+    rmeta = recv_meta.split(per_view)
     images, alphas = [], []
     for j, i in enumerate(mine):
-        r, m = recs[j], rmeta[j]
-        depth = m[:, 0].contiguous().view(torch.float32).to(r.dtype)
-        img, alpha = rasterize(r[:, 0:2], r[:, 2:5], r[:, 6:9], r[:, 5], m[:, 1:3], depth,
-                               int(batch.widths[i]), int(batch.heights[i]), background)  # fmt: skip
+        img, alpha = _rasterize_view(recs[j], rmeta[j], int(batch.widths[i]), int(batch.heights[i]), background,
+                                     backend, options)  # fmt: skip
         images.append(img)
         alphas.append(alpha)
 

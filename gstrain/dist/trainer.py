@@ -203,7 +203,7 @@ class DistTrainer(Trainer):
                               [v.height for v in views], self.homes_of(idx))  # fmt: skip
         with self.timer.phase("forward"):
             out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress,
-                                 counter=self.comm)
+                                 counter=self.comm, backend=self.renderer.backend, options=self.renderer.options)
         self.strategy.step_pre_backward(self.params, self.optimizers, step, out.owner_info)
         loss, terms, gts = out.zero_term, {}, []
         with self.timer.phase("loss"):
@@ -304,7 +304,10 @@ class DistTrainer(Trainer):
                            initial_test_psnr=None, final_test_psnr=final["psnr"] if final else None,
                            checkpoint=ckpt, final_train_psnr=last_psnr if math.isfinite(last_psnr) else None)
         if lead:
-            write_run_record(self.run_dir, self.record, result, final, None, "sharded", None, None, self.device)
+            on_ours = self.renderer.backend == "cuda"
+            write_run_record(self.run_dir, self.record, result, final, None, f"sharded/{self.renderer.backend}",
+                             self.cfg.render.atomic_mode if on_ours else None, self.renderer.atomic_threshold,
+                             self.device)  # fmt: skip
             if self.writer is not None:
                 self.writer.close()
         return result

@@ -248,19 +248,30 @@ def project_splats(
 ) -> Splats:
     """gsplat's public projection and tile intersection for one camera; with ellipse_cull, the
     pairs whose alpha is provably < 1/255 on their whole tile are dropped (gstrain/render/cull.py)."""
-    from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
+    from gsplat import fully_fused_projection
 
     radii, means2d, depths, conics, _ = fully_fused_projection(
         params["means"], None, params["quats"], torch.exp(params["scales"]),
         viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
     )  # fmt: skip
+    opacities = torch.sigmoid(params["opacities"])[None]
+    return intersect_splats(means2d, conics, opacities, radii, depths, width, height, ellipse_cull)
+
+
+def intersect_splats(
+    means2d: Tensor, conics: Tensor, opacities: Tensor, radii: Tensor, depths: Tensor, width: int, height: int,
+    ellipse_cull: bool = False,
+) -> Splats:
+    """Tile intersection (gsplat's isect_tiles) of splats already projected into one camera
+    ([1, N, ...]: from project_splats, or records received by a sharded render)."""
+    from gsplat import isect_offset_encode, isect_tiles
+
     tiles_x = (width + TILE_SIZE - 1) // TILE_SIZE
     tiles_y = (height + TILE_SIZE - 1) // TILE_SIZE
     _, isect_ids, flatten_ids = isect_tiles(
         means2d, radii, depths, TILE_SIZE, tiles_x, tiles_y, packed=False, n_images=1
     )
     isect_offsets = isect_offset_encode(isect_ids, 1, tiles_x, tiles_y)
-    opacities = torch.sigmoid(params["opacities"])[None]
     pairs = (flatten_ids.numel(), flatten_ids.numel())
     if ellipse_cull:
         from gstrain.render.cull import cull_pairs
