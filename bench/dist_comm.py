@@ -19,7 +19,8 @@ Scenes:
 The last two columns are floors (comm_model.bound_step_bytes): no partition whose shards hold at
 most ceil(N/W) Gaussians (or at most as many as this row's largest shard) sends fewer bytes.
 
-Usage: python -m bench.dist_comm [--scenes beer,garden,city] [--world 2,8] [--city-n 10000000] [--out bench/results/dist_comm]
+Usage: python -m bench.dist_comm [--scenes beer,garden,city] [--world 2,8] [--city-n 10000000]
+                                 [--out bench/results/dist_comm]
 """
 
 from __future__ import annotations
@@ -248,7 +249,8 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['scene']} | {r['world']} | {r['partition']} | {r['bytes_mean_none'] / 1e6:.3f} | "
                    f"{r['bytes_mean_fp16'] / 1e6:.3f} | {r['bytes_max_none'] / 1e6:.3f} | "
                    f"{r['remote_fraction']:.3f} | {r['bytes_mean_none'] / base:.3f} | "
-                   f"{r['bound_bytes_mean_balanced'] / base:.3f} | {r['bound_bytes_mean_largest'] / base:.3f} |")  # fmt: skip
+                   f"{r['bound_bytes_mean_balanced'] / base:.3f} | "
+                   f"{r['bound_bytes_mean_largest'] / base:.3f} |")  # fmt: skip
     return "\n".join(out)
 
 

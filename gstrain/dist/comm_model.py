@@ -80,7 +80,11 @@ def remote_lower_bound(visible: Tensor, max_shard: int) -> Tensor:
 
 
 def bound_step_bytes(
-    visible: Tensor, world: int, max_shard: int, views_per_rank: int = 1, dtype: torch.dtype = torch.float32,
+    visible: Tensor,
+    world: int,
+    max_shard: int,
+    views_per_rank: int = 1,
+    dtype: torch.dtype = torch.float32,
     compress: str = "none",
 ) -> float:
     """A lower bound on expected_step_bytes' mean over ranks (sent, equal to received), over every
