@@ -19,7 +19,7 @@ the scales (and colours) are a uniform subsample's, cycled, its kNN scales times
 (random_points is uniform in a ball: neighbour distances scale with density^(-1/3)).
 
     python -m bench.dist_memory [--scene .benchdata/beer] [--n 1000000] [--world 1,2,4] [--steps 20]
-        [--device cuda|cpu] [--partition locality] [--set section.key=value ...]
+        [--device cuda|cpu] [--partitions locality,random] [--set section.key=value ...]
 
 Prints a markdown table; writes $OUT/dist_memory.json (else bench/results/dist_memory/<commit>/).
 """
@@ -194,11 +194,11 @@ def run_overrides(n: int, world: int, views_per_rank: int, steps: int, partition
     return [base, *(parse_override(s) for s in sets)]
 
 
-def summarise(world: int, n: int, ranks: list[dict]) -> dict:
+def summarise(world: int, n: int, ranks: list[dict], partition: str = "locality") -> dict:
     """One W's row from its ranks' reports (lists in rank order)."""
     keys = ("owned", "params_bytes", "adam_bytes", "resident_after_setup", "setup_peak",
             "steps_peak", "total_peak", "steps_seconds", "comm_bytes_per_step")  # fmt: skip
-    row: dict[str, Any] = {"world": world, "n": n, "n_per_rank": n / world}
+    row: dict[str, Any] = {"world": world, "partition": partition, "n": n, "n_per_rank": n / world}
     row.update({k: [r[k] for r in sorted(ranks, key=lambda r: r["rank"])] for k in keys})
     row["state_bytes"] = [p + a for p, a in zip(row["params_bytes"], row["adam_bytes"], strict=True)]
     return row
@@ -210,15 +210,21 @@ def _mb(values: list[int | None]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown, one line per W; per-rank figures are the largest rank's (the one that must fit)."""
-    lines = ["| W | N | N/W | owned Gaussians (min-max) | state MB (params+Adam) | resident after set-up MB | "
-             "peak MB, steps | peak MB, total | steps peak / W=1 |", "|---:" * 9 + "|"]  # fmt: skip
-    one = next((r for r in rows if r["world"] == 1), None)
-    base = max((v for v in one["steps_peak"] if v is not None), default=None) if one else None
+    """Markdown, one line per W and partition; per-rank figures are the largest rank's (the one
+    that must fit); the ratio is against W=1 of the same partition."""
+    lines = ["| W | partition | N | N/W | owned Gaussians (min-max) | state MB (params+Adam) | "
+             "resident after set-up MB | peak MB, steps | peak MB, total | steps peak / W=1 |",
+             "|---:|---" + "|---:" * 8 + "|"]  # fmt: skip
+
+    def top(r: dict) -> int | None:
+        return max((v for v in r["steps_peak"] if v is not None), default=None)
+
+    base = {r["partition"]: top(r) for r in rows if r["world"] == 1}
     for r in rows:
-        peak = max((v for v in r["steps_peak"] if v is not None), default=None)
-        ratio = f"{peak / base:.3f}" if peak is not None and base else "-"
-        lines.append(f"| {r['world']} | {r['n']} | {r['n_per_rank']:.0f} | {min(r['owned'])}-{max(r['owned'])} | "
+        peak, one = top(r), base.get(r["partition"])
+        ratio = f"{peak / one:.3f}" if peak is not None and one else "-"
+        lines.append(f"| {r['world']} | {r['partition']} | {r['n']} | {r['n_per_rank']:.0f} | "
+                     f"{min(r['owned'])}-{max(r['owned'])} | "
                      f"{_mb(r['state_bytes'])} | {_mb(r['resident_after_setup'])} | {_mb(r['steps_peak'])} | "
                      f"{_mb(r['total_peak'])} | {ratio} |")  # fmt: skip
     return "\n".join(lines)
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--world", default="1,2,4", help="process counts, comma-separated")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--views-per-rank", type=int, default=1, help="b: the global batch is W·b")
-    ap.add_argument("--partition", default="locality")
+    ap.add_argument("--partitions", default="locality", help="dist.partition values, comma-separated")
     ap.add_argument("--device", default="cuda", help="cuda (all ranks share GPU 0) or cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--knn-max", type=int, default=200_000, help="exact kNN scales up to this many points")
@@ -260,7 +266,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t0 = time.perf_counter()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dist-memory-") as tmp:
-        first = run_overrides(args.n, 1, args.views_per_rank, args.steps, args.partition, args.seed, args.sets)
+        parts = args.partitions.split(",")
+        first = run_overrides(args.n, 1, args.views_per_rank, args.steps, parts[0], args.seed, args.sets)
         try:  # bad --set values fail here, before any process starts
             build_config(None, first)
         except UserError as exc:
@@ -271,24 +278,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.save(model, model_file)
         del model
         log(f"dist_memory: initial model of {args.n} Gaussians ({init_note}) in {time.perf_counter() - t0:.0f} s")
-        for world in worlds:
-            over = run_overrides(args.n, world, args.views_per_rank, args.steps, args.partition, args.seed, args.sets)
-            run_dir = Path(tmp) / f"w{world}"
-            run_dir.mkdir()
-            t = time.perf_counter()
-            ranks = run_local(_worker, world, str(scene), str(run_dir), str(model_file), over, args.device,
-                              args.steps, timeout=args.timeout)  # fmt: skip
-            rows.append(summarise(world, args.n, ranks))
-            log(f"dist_memory: W={world} in {time.perf_counter() - t:.0f} s")
+        for part in parts:
+            for world in worlds:
+                if world == 1 and part != parts[0]:  # one rank: the partition changes nothing
+                    rows.append({**next(r for r in rows if r["world"] == 1), "partition": part})
+                    continue
+                over = run_overrides(args.n, world, args.views_per_rank, args.steps, part, args.seed, args.sets)
+                run_dir = Path(tmp) / f"w{world}_{part}"
+                run_dir.mkdir()
+                t = time.perf_counter()
+                ranks = run_local(_worker, world, str(scene), str(run_dir), str(model_file), over, args.device,
+                                  args.steps, timeout=args.timeout)  # fmt: skip
+                rows.append(summarise(world, args.n, ranks, part))
+                log(f"dist_memory: W={world} {part} in {time.perf_counter() - t:.0f} s")
     probe = MemoryProbe(torch.device(args.device))
     doc = {"command": " ".join([Path(sys.executable).name, "-m", "bench.dist_memory", *sys.argv[1:]]),
            "scene": str(scene), "device": args.device, "memory": probe.kind, "init_scales": init_note,
-           "steps": args.steps, "views_per_rank": args.views_per_rank, "partition": args.partition,
+           "steps": args.steps, "views_per_rank": args.views_per_rank,
            "sets": args.sets, "rows": rows}  # fmt: skip
     out = args.json or default_json()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    print(f"\nmemory: {probe.kind}; {args.partition} partition, {args.steps} steps of W·{args.views_per_rank} views; "
+    print(f"\nmemory: {probe.kind}; {args.steps} steps of W·{args.views_per_rank} views; "
           f"initial scales: {init_note}\n\n{table(rows)}\n", flush=True)  # fmt: skip
     return rows
 

@@ -30,12 +30,16 @@ def _rank(rank: int, owned: int, peak: int | None) -> dict:
 def test_table_reports_the_largest_rank_against_one_process():
     one = dist_memory.summarise(1, 1000, [_rank(0, 1000, 8_000_000)])
     two = dist_memory.summarise(2, 1000, [_rank(1, 700, 6_000_000), _rank(0, 300, 2_000_000)])
+    other = {**one, "partition": "random", "steps_peak": [12_000_000]}
+    four = dist_memory.summarise(4, 1000, [_rank(r, 250, 3_000_000) for r in range(4)], "random")
     assert two["owned"] == [300, 700]  # rank order, whatever order the reports came in
     assert two["state_bytes"] == [9000, 21000]
-    lines = dist_memory.table([one, two]).splitlines()
-    assert lines[2].startswith("| 1 | 1000 | 1000 | 1000-1000 | 0.0 |") and lines[2].endswith("| 1.000 |")
+    lines = dist_memory.table([one, two, other, four]).splitlines()
+    assert lines[2].startswith("| 1 | locality | 1000 | 1000 | 1000-1000 | 0.0 |") and lines[2].endswith("| 1.000 |")
     # largest rank: 21000 B state, 6 MB peak of 8 MB at W=1
-    assert lines[3].startswith("| 2 | 1000 | 500 | 300-700 | 0.0 |") and "| 6.0 | 6.0 | 0.750 |" in lines[3]
+    assert lines[3].startswith("| 2 | locality | 1000 | 500 | 300-700 | 0.0 |")
+    assert lines[3].endswith("| 6.0 | 6.0 | 0.750 |")
+    assert lines[5].startswith("| 4 | random | 1000 | 250 | 250-250 |") and lines[5].endswith("| 0.250 |")  # 3 of 12
     unknown = dist_memory.summarise(2, 1000, [_rank(0, 500, None), _rank(1, 500, None)])
     assert dist_memory.table([unknown]).splitlines()[2].endswith("| - | - | - |")
 
