@@ -16,7 +16,11 @@ Scenes:
           --far metres. The far limit stands in for occlusion (projection culls only by frustum,
           so without it every camera down a street would "touch" the whole city behind walls).
 
-Usage: python -m bench.dist_comm [--scenes beer,garden,city] [--city-n 10000000] [--out bench/results/dist_comm]
+The last two columns are floors (comm_model.bound_step_bytes): no partition whose shards hold at
+most ceil(N/W) Gaussians (or at most as many as this row's largest shard) sends fewer bytes.
+
+Usage: python -m bench.dist_comm [--scenes beer,garden,city] [--world 2,8] [--city-n 10000000]
+                                 [--out bench/results/dist_comm]
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gstrain.dist.comm_model import expected_step_bytes
+from gstrain.dist.comm_model import bound_step_bytes, expected_step_bytes
 from gstrain.dist.partition import (
     PARTITIONS,
     AccessProfile,
@@ -209,10 +213,13 @@ def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessP
 def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int, ...]) -> list[dict]:
     load = prof.access_counts()
     pairs = int(prof.ids.numel())
+    visible = prof.ptr.diff()
     rows = []
     for world in worlds:
+        balanced = bound_step_bytes(visible, world, math.ceil(prof.n / world))
         for part in PARTITIONS:
             owner = make_partition(part, means, load, world, seed=0)
+            largest = int(torch.bincount(owner, minlength=world).max())
             counts = view_owner_counts(prof, owner, world)
             homes = assign_homes(counts)
             remote = int(counts.sum()) - int(counts[torch.arange(counts.shape[0]), homes].sum())
@@ -220,7 +227,10 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
             imbalance = float(per_rank_load.max() / per_rank_load.mean().clamp_min(1e-12))
             row = {"scene": name, "world": world, "partition": part, "views": prof.n_views, "pairs": pairs,
                    "remote_fraction": remote / max(pairs, 1),
-                   "load_max_over_mean": imbalance}  # fmt: skip
+                   "load_max_over_mean": imbalance, "largest_shard": largest,
+                   # floors under every partition (fp32): shards of ceil(N/W), or up to this one's largest
+                   "bound_bytes_mean_balanced": balanced,
+                   "bound_bytes_mean_largest": bound_step_bytes(visible, world, largest)}  # fmt: skip
             for comp in ("none", "fp16"):
                 sent, recv = expected_step_bytes(counts, homes, 1, torch.float32, comp)
                 row[f"bytes_mean_{comp}"] = float(sent.mean())
@@ -230,14 +240,17 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| scene | W | partition | MB/step/rank | fp16 | max rank MB | remote pairs | vs round robin |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = ["| scene | W | partition | MB/step/rank | fp16 | max rank MB | remote pairs | vs round robin | "
+           "bound (N/W shards) / rr | bound (this largest shard) / rr |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     rr = {(r["scene"], r["world"]): r["bytes_mean_none"] for r in rows if r["partition"] == "round_robin"}
     for r in rows:
-        ratio = r["bytes_mean_none"] / max(rr[(r["scene"], r["world"])], 1e-12)
+        base = max(rr[(r["scene"], r["world"])], 1e-12)
         out.append(f"| {r['scene']} | {r['world']} | {r['partition']} | {r['bytes_mean_none'] / 1e6:.3f} | "
                    f"{r['bytes_mean_fp16'] / 1e6:.3f} | {r['bytes_max_none'] / 1e6:.3f} | "
-                   f"{r['remote_fraction']:.3f} | {ratio:.3f} |")  # fmt: skip
+                   f"{r['remote_fraction']:.3f} | {r['bytes_mean_none'] / base:.3f} | "
+                   f"{r['bound_bytes_mean_balanced'] / base:.3f} | "
+                   f"{r['bound_bytes_mean_largest'] / base:.3f} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -247,8 +260,10 @@ def main() -> None:
     ap.add_argument("--city-n", type=int, default=10_000_000)
     ap.add_argument("--city-views", type=int, default=240)
     ap.add_argument("--far", type=float, default=120.0)
+    ap.add_argument("--world", default=",".join(map(str, WORLDS)), help="rank counts, comma-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dist_comm")
     args = ap.parse_args()
+    worlds = tuple(int(w) for w in args.world.split(","))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     git = ["git", "rev-parse", "--short", "HEAD"]
     commit = subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -264,7 +279,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prof, means, desc = makers[name]()
         log(f"{desc}: profile {prof.ids.numel()} (view, Gaussian) pairs in {time.perf_counter() - t0:.0f} s")
-        rows = study(name, prof, means, WORLDS)
+        rows = study(name, prof, means, worlds)
         log(f"{name}: study done in {time.perf_counter() - t0:.0f} s")
         doc = {"scene": name, "description": desc, "commit": commit, "command": " ".join(sys.argv),
                "views_per_rank": 1, "rows": rows}  # fmt: skip

@@ -6,6 +6,10 @@ and the view homes. Per step, for the batch views, each rank (as the real render
 - `records_fwd`: sends each batch view it does not render its visible records (layout.forward_record_bytes);
 - `records_bwd`: sends back, for each view it renders, the gradients of the records it received.
 Bytes are those that leave a rank for another rank (sends to itself are copies, not counted).
+
+`bound_step_bytes` is the floor under every partition: a view's renderer owns at most as many of
+its visible Gaussians as one shard holds, so no partition with shards of at most `max_shard`
+Gaussians sends fewer records for it than visible - max_shard.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import Tensor
 
 from gstrain.dist.layout import backward_record_bytes, count_bytes, forward_record_bytes
 
-__all__ = ["OPS", "expected_step_bytes", "per_view_bytes", "step_bytes"]
+__all__ = ["OPS", "bound_step_bytes", "expected_step_bytes", "per_view_bytes", "remote_lower_bound", "step_bytes"]
 
 OPS = ("counts", "records_fwd", "records_bwd")
 
@@ -66,3 +70,38 @@ def expected_step_bytes(
         sent += (s.double() * weight[:, None]).sum(0)
         recv += (r.double() * weight[:, None]).sum(0)
     return sent, recv
+
+
+def remote_lower_bound(visible: Tensor, max_shard: int) -> Tensor:
+    """[V]: the fewest records any partition with shards of at most max_shard Gaussians can send
+    to a view's renderer, given visible [V] (Gaussians each view touches): the renderer owns at
+    most min(visible, max_shard) of them, whichever rank it is."""
+    return (visible.to(torch.int64) - int(max_shard)).clamp_min(0)
+
+
+def bound_step_bytes(
+    visible: Tensor,
+    world: int,
+    max_shard: int,
+    views_per_rank: int = 1,
+    dtype: torch.dtype = torch.float32,
+    compress: str = "none",
+) -> float:
+    """A lower bound on expected_step_bytes' mean over ranks (sent, equal to received), over every
+    partition with shards of at most max_shard Gaussians and every home assignment with
+    floor(V/W) or ceil(V/W) views per rank (as assign_homes gives).
+
+    Per view drawn: (W-1) counts and remote * (forward + backward record) bytes leave ranks. A
+    view on a rank with k home views is drawn views_per_rank/k times a step; the weights least
+    favourable to the bound put 1/ceil on the ceil * (V mod W) views of largest bound."""
+    n_views = visible.numel()
+    floor, extra = divmod(n_views, world)
+    ceil = floor + (extra > 0)
+    low = remote_lower_bound(visible, max_shard).double().sort(descending=True).values
+    n_ceil = ceil * extra if floor else n_views  # views on ranks holding ceil(V/W) of them
+    weights = torch.full((n_views,), 1.0 / max(floor, 1), dtype=torch.float64)
+    weights[:n_ceil] = 1.0 / ceil
+    ranks_rendering = extra + (world - extra if floor else 0)
+    per_record = forward_record_bytes(dtype, compress) + backward_record_bytes(dtype, compress)
+    total = ranks_rendering * (world - 1) * count_bytes() + float((weights * low).sum()) * per_record
+    return views_per_rank * total / world
