@@ -52,29 +52,42 @@ __device__ __forceinline__ float sigma_at(const Ellipse &e, float ux, float uy) 
     return __fadd_rn(__fmul_rn(q, 0.5f), __fmul_rn(__fmul_rn(e.b, ux), uy));
 }
 
-// alpha_bound.min_sigma_on_rect on [lx, hx] x [ly, hy] (offsets from the mean).
-__device__ float min_sigma_on_rect(const Ellipse &e, float lx, float ly, float hx, float hy) {
-    if (lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f) return 0.f; // the mean is inside
-    const float nb = -e.b;
-    // on each edge the other coordinate sits at the 1-D parabola's vertex, clamped to the edge
-    const float y_lx = nan_min(nan_max(__fdiv_rn(__fmul_rn(nb, lx), e.c), ly), hy);
-    const float y_hx = nan_min(nan_max(__fdiv_rn(__fmul_rn(nb, hx), e.c), ly), hy);
-    const float x_ly = nan_min(nan_max(__fdiv_rn(__fmul_rn(nb, ly), e.a), lx), hx);
-    const float x_hy = nan_min(nan_max(__fdiv_rn(__fmul_rn(nb, hy), e.a), lx), hx);
-    const float s = nan_min(sigma_at(e, lx, y_lx), sigma_at(e, hx, y_hx));
-    return nan_min(s, nan_min(sigma_at(e, x_ly, ly), sigma_at(e, x_hy, hy)));
+// A row of tiles: its pixel-centre rows relative to the mean ([ly, hy], clipped to the image),
+// and the unclamped vertices of sigma's parabolas along its two horizontal edges (the same for
+// every tile of the row: computed once).
+struct TileRow {
+    float ly, hy, vx_ly, vx_hy;
+};
+
+__device__ __forceinline__ TileRow tile_row(const IsectArgs &a, const Ellipse &e, unsigned ty) {
+    const float ts = (float)a.tile_size;
+    const float cy = __fmul_rn((float)ty, ts);
+    TileRow row;
+    row.ly = __fsub_rn(__fadd_rn(cy, 0.5f), e.my);
+    row.hy = __fsub_rn(fminf(__fadd_rn(cy, ts - 0.5f), (float)a.height - 0.5f), e.my);
+    row.vx_ly = __fdiv_rn(__fmul_rn(-e.b, row.ly), e.a);
+    row.vx_hy = __fdiv_rn(__fmul_rn(-e.b, row.hy), e.a);
+    return row;
 }
 
-// cull.keep_mask for tile (tx, ty): the tile's pixel-centre rectangle, clipped to the image.
-__device__ __forceinline__ bool keeps_tile(const IsectArgs &a, const Ellipse &e, unsigned tx, unsigned ty) {
+// cull.keep_mask for tile tx of a row: alpha_bound.min_sigma_on_rect over the tile's pixel-centre
+// rectangle [lx, hx] x [ly, hy] (clipped to the image) against the threshold.
+__device__ __forceinline__ bool keeps_tile(const IsectArgs &a, const Ellipse &e, const TileRow &row, unsigned tx) {
     const float ts = (float)a.tile_size;
-    const float cx = __fmul_rn((float)tx, ts), cy = __fmul_rn((float)ty, ts);
-    const float x_lo = __fadd_rn(cx, 0.5f), y_lo = __fadd_rn(cy, 0.5f);
-    const float x_hi = fminf(__fadd_rn(cx, ts - 0.5f), (float)a.width - 0.5f);
-    const float y_hi = fminf(__fadd_rn(cy, ts - 0.5f), (float)a.height - 0.5f);
-    const float sigma = min_sigma_on_rect(
-        e, __fsub_rn(x_lo, e.mx), __fsub_rn(y_lo, e.my), __fsub_rn(x_hi, e.mx), __fsub_rn(y_hi, e.my)
-    );
+    const float cx = __fmul_rn((float)tx, ts);
+    const float lx = __fsub_rn(__fadd_rn(cx, 0.5f), e.mx);
+    const float hx = __fsub_rn(fminf(__fadd_rn(cx, ts - 0.5f), (float)a.width - 0.5f), e.mx);
+    const float ly = row.ly, hy = row.hy;
+    float sigma = 0.f; // the mean inside the rectangle
+    if (!(lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f)) {
+        // on each edge the other coordinate sits at the 1-D parabola's vertex, clamped to the edge
+        const float y_lx = nan_min(nan_max(__fdiv_rn(__fmul_rn(-e.b, lx), e.c), ly), hy);
+        const float y_hx = nan_min(nan_max(__fdiv_rn(__fmul_rn(-e.b, hx), e.c), ly), hy);
+        const float x_ly = nan_min(nan_max(row.vx_ly, lx), hx);
+        const float x_hy = nan_min(nan_max(row.vx_hy, lx), hx);
+        sigma = nan_min(nan_min(sigma_at(e, lx, y_lx), sigma_at(e, hx, y_hx)),
+                        nan_min(sigma_at(e, x_ly, ly), sigma_at(e, x_hy, hy)));
+    }
     return !(sigma > e.thr);
 }
 
@@ -117,7 +130,8 @@ __global__ void __launch_bounds__(kIsectThreads)
                 kept = all;
             } else {
                 for (unsigned ty = r.y0; ty < r.y1; ++ty) {
-                    for (unsigned tx = r.x0; tx < r.x1; ++tx) kept += keeps_tile(a, e, tx, ty);
+                    const TileRow row = tile_row(a, e, ty);
+                    for (unsigned tx = r.x0; tx < r.x1; ++tx) kept += keeps_tile(a, e, row, tx);
                 }
             }
         }
@@ -155,8 +169,9 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
     const int64_t cam_key = (i / a.n_gauss) << (32 + tile_bits);
     const int64_t depth_key = (int64_t)__float_as_uint(depths[i]); // the bits, zero-extended
     for (unsigned ty = r.y0; ty < r.y1; ++ty) {
+        const TileRow row = tile_row(a, e, ty);
         for (unsigned tx = r.x0; tx < r.x1; ++tx) {
-            if (!every && !keeps_tile(a, e, tx, ty)) continue;
+            if (!every && !keeps_tile(a, e, row, tx)) continue;
             const int64_t tile = (int64_t)ty * a.tiles_x + tx;
             keys[cur] = cam_key | (tile << 32) | depth_key;
             ids[cur] = (int)i;
