@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
             const int64_t tile = (int64_t)ty * a.tiles_x + tx;
             keys[cur] = cam_key | (tile << 32) | depth_key;
             ids[cur] = (int)i;
-            ++cur;
+            if (++cur == end) return; // the count's tiles are all written (a guard: never past them)
         }
     }
 }
