@@ -1,4 +1,4 @@
-"""render.ellipse_cull: (Gaussian, tile) pairs and phase times with the cull off and on, in one process.
+"""render.ellipse_cull: pairs and phase times with no cull, the PyTorch cull and the kernel cull.
 
 Workloads (gstrain.profile.load_workload, the same Gaussians as `gstrain profile`):
   beer     the COLMAP scene's SfM points as the trainer initialises them (--beer, factor 1)
@@ -7,16 +7,23 @@ Workloads (gstrain.profile.load_workload, the same Gaussians as `gstrain profile
            scales / 3, opacity U(0.05, 0.95), random rotations), same cameras
   any trained run or scene passed with --target (its last checkpoint: the real, elongated shapes)
 
-Per view: pairs from gsplat's isect_tiles and after the cull; median ms (CUDA events, after
-warm-up) of projection + intersection (gsplat's projection, isect_tiles, isect_offset_encode and,
-when on, the cull), of the cull alone, of our raster forward and of our raster backward (arc
-tuned to convergence first, one tuner per setting). Also the largest image difference and
-gradient error between off and on (they should be ~0: culled pairs are skipped anyway).
+Settings (gstrain.render.cuda.project_splats):
+  off      gsplat's projection, isect_tiles and isect_offset_encode
+  PyTorch  the same, then gstrain/render/cull.py:cull_pairs on the sorted pair list
+  kernel   gsplat's projection, then our culled intersection (csrc/isect.cu via
+           gstrain/render/isect.py): culled pairs are never made, so never sorted
+
+Per view and setting: pairs kept; median ms (CUDA events, after warm-up) of projection +
+intersection (+ cull), of our raster forward and of our raster backward (arc tuned to
+convergence first, one tuner per setting); whole = the three; for the PyTorch cull also the cull
+alone. Ratios are against off. Also the largest image difference and gradient error of each cull
+against off (they should be ~0: culled pairs are skipped anyway), and whether the kernel's pairs
+equal the PyTorch cull's exactly (the exit status is 1 when not).
 
     python -m bench.bench_cull [--beer .benchdata/beer] [--garden .benchdata/test_garden.npz] [--quick] [--compile]
 
 --compile also times the keep mask alone, eager and under torch.compile (the eager mask is ~30
-memory-bound kernels over the pair list; one fused kernel is what a CUDA version would cost).
+memory-bound kernels over the pair list), and the PyTorch cull with the compiled mask.
 
 Prints a markdown table; writes JSON to $OUT/bench_cull.json (else bench/results/cull/).
 """
@@ -103,6 +110,11 @@ def time_compiled_mask(plain, width: int, height: int, warmup: int, reps: int) -
     return out
 
 
+# (tag, label, ellipse_cull, cull_kernel): no cull; gsplat's isect_tiles then the PyTorch
+# cull_pairs; our culled intersection kernel (pairs cut before the sort)
+SETTINGS = (("off", "off", False, True), ("torch", "PyTorch cull", True, False), ("kernel", "kernel cull", True, True))
+
+
 def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled: bool = False) -> dict:
     from gstrain.render.arc import ArcTuner
     from gstrain.render.common import RasterOptions
@@ -116,15 +128,16 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled:
     gen = torch.Generator(device=viewmat.device).manual_seed(0)
     v_image = torch.randn(1, height, width, 3, device=viewmat.device, generator=gen)
     outputs = {}
-    for cull in (False, True):
-        tag = "on" if cull else "off"
+    for tag, _, cull, kernel in SETTINGS:
+
+        def project(c=cull, k=kernel):
+            return project_splats(params, viewmat, K, width, height, ellipse_cull=c, cull_kernel=k)
+
         with torch.no_grad():
-            row[f"proj_isect_ms_{tag}"] = time_calls(
-                lambda c=cull: project_splats(params, viewmat, K, width, height, ellipse_cull=c), warmup, reps
-            )
-            splats = project_splats(params, viewmat, K, width, height, ellipse_cull=cull)
+            row[f"proj_isect_ms_{tag}"] = time_calls(project, warmup, reps)
+            splats = project()
         row["pairs_before"], row[f"pairs_{tag}"] = splats.pairs[0], splats.pairs[1]
-        if cull:
+        if tag == "torch":
             plain = project_splats(params, viewmat, K, width, height)
             row["cull_only_ms"] = time_calls(
                 lambda p=plain: cull_pairs(p.means2d, p.conics, p.opacities, p.isect_offsets, p.flatten_ids,
@@ -141,7 +154,8 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled:
                         return cull_pairs(p.means2d, p.conics, p.opacities, p.isect_offsets, p.flatten_ids,
                                           width, height, TILE_SIZE, mask_fn=f)  # fmt: skip
 
-                    row["proj_isect_ms_on_compiled"] = time_calls(proj_compiled, warmup, reps)
+                    row["proj_isect_ms_torch_compiled"] = time_calls(proj_compiled, warmup, reps)
+        pairs = (splats.isect_offsets, splats.flatten_ids)
         leaves = [t.detach().clone().requires_grad_(True) for t in (splats.means2d, splats.conics, colors)]
         splats.means2d = leaves[0]
         tuner = ArcTuner()
@@ -165,12 +179,17 @@ def bench_view(params, camera, sh_degree: int, warmup: int, reps: int, compiled:
             tuner.poll()
         row[f"arc_threshold_{tag}"] = int(tuner.threshold)
         row[f"raster_bwd_ms_{tag}"] = time_calls(backward, warmup, reps)
-        outputs[tag] = (image.detach(), backward())
-    (img_off, g_off), (img_on, g_on) = outputs["off"], outputs["on"]
-    row["max_image_diff"] = float((img_on - img_off).abs().max())
-    row["max_grad_rel_err"] = max(
-        float((a - b).double().norm() / b.double().norm().clamp_min(1e-30)) for a, b in zip(g_on, g_off, strict=True)
-    )
+        outputs[tag] = (image.detach(), backward(), pairs)
+    img_off, g_off, _ = outputs["off"]
+    for tag in ("torch", "kernel"):
+        img, grads, _ = outputs[tag]
+        row[f"max_image_diff_{tag}"] = float((img - img_off).abs().max())
+        row[f"max_grad_rel_err_{tag}"] = max(
+            float((a - b).double().norm() / b.double().norm().clamp_min(1e-30))
+            for a, b in zip(grads, g_off, strict=True)
+        )
+    (off_t, ids_t), (off_k, ids_k) = outputs["torch"][2], outputs["kernel"][2]
+    row["kernel_pairs_equal_torch"] = bool(torch.equal(off_t, off_k) and torch.equal(ids_t, ids_k))
     return row
 
 
@@ -180,36 +199,40 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def markdown(results: dict) -> str:
-    head = ("| workload | Gaussians | pairs/view off | on | kept | proj+isect ms off | on | cull alone | "
-            "raster fwd ms off | on | speedup | raster bwd ms off | on | speedup | fwd+bwd+proj off | on | "
-            "speedup | max image diff | max grad rel err |")  # fmt: skip
+    """One row per workload and setting; `vs off` = off's ms / this setting's ms (> 1: faster)."""
+    head = ("| workload | Gaussians | setting | pairs/view | kept | proj+isect ms | vs off | cull alone ms | "
+            "raster fwd ms | vs off | raster bwd ms | vs off | whole (proj+fwd+bwd) ms | vs off | "
+            "max image diff | max grad rel err |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     mask_lines = []
     for name, r in results.items():
         s = r["median"]
-        tot_off = s["proj_isect_ms_off"] + s["raster_fwd_ms_off"] + s["raster_bwd_ms_off"]
-        tot_on = s["proj_isect_ms_on"] + s["raster_fwd_ms_on"] + s["raster_bwd_ms_on"]
-        cells = [
-            name, f"{r['gaussians']:,}", f"{s['pairs_off']:,.0f}", f"{s['pairs_on']:,.0f}",
-            f"{s['pairs_on'] / max(s['pairs_off'], 1):.1%}",
-            f"{s['proj_isect_ms_off']:.3f}", f"{s['proj_isect_ms_on']:.3f}", f"{s['cull_only_ms']:.3f}",
-            f"{s['raster_fwd_ms_off']:.3f}", f"{s['raster_fwd_ms_on']:.3f}",
-            f"{s['raster_fwd_ms_off'] / s['raster_fwd_ms_on']:.2f}x",
-            f"{s['raster_bwd_ms_off']:.3f}", f"{s['raster_bwd_ms_on']:.3f}",
-            f"{s['raster_bwd_ms_off'] / s['raster_bwd_ms_on']:.2f}x",
-            f"{tot_off:.3f}", f"{tot_on:.3f}", f"{tot_off / tot_on:.2f}x",
-            f"{max(v['max_image_diff'] for v in r['views']):.2e}",
-            f"{max(v['max_grad_rel_err'] for v in r['views']):.2e}",
-        ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        whole = {t: s[f"proj_isect_ms_{t}"] + s[f"raster_fwd_ms_{t}"] + s[f"raster_bwd_ms_{t}"] for t, *_ in SETTINGS}
+        for tag, label, _, _ in SETTINGS:
+            cells = [name, f"{r['gaussians']:,}", label, f"{s[f'pairs_{tag}']:,.0f}",
+                     f"{s[f'pairs_{tag}'] / max(s['pairs_off'], 1):.1%}"]  # fmt: skip
+            for key in ("proj_isect_ms", "cull_only_ms", "raster_fwd_ms", "raster_bwd_ms", "whole"):
+                if key == "cull_only_ms":
+                    cells.append(f"{s[key]:.3f}" if tag == "torch" else "-")
+                    continue
+                ms, off = (whole[tag], whole["off"]) if key == "whole" else (s[f"{key}_{tag}"], s[f"{key}_off"])
+                cells += [f"{ms:.3f}", f"{off / ms:.2f}x"]
+            if tag == "off":
+                cells += ["-", "-"]
+            else:
+                cells += [f"{max(v[f'max_image_diff_{tag}'] for v in r['views']):.2e}",
+                          f"{max(v[f'max_grad_rel_err_{tag}'] for v in r['views']):.2e}"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
         if "mask_only_ms" in s:
-            keys = ("mask_compiled_ms", "proj_isect_ms_on_compiled")
+            keys = ("mask_compiled_ms", "proj_isect_ms_torch_compiled")
             compiled = [f"{s[k]:.3f}" if k in s else "failed" for k in keys]
             mask_lines.append(f"| {name} | {s['mask_only_ms']:.3f} | {compiled[0]} | {s['proj_isect_ms_off']:.3f} | "
-                              f"{s['proj_isect_ms_on']:.3f} | {compiled[1]} |")  # fmt: skip
+                              f"{s['proj_isect_ms_torch']:.3f} | {compiled[1]} | "
+                              f"{s['proj_isect_ms_kernel']:.3f} |")  # fmt: skip
     if mask_lines:
         lines += ["", "| workload | keep mask eager ms | keep mask torch.compile ms | proj+isect ms off | "
-                  "on (eager) | on (compiled mask) |", "|---|---|---|---|---|---|", *mask_lines]  # fmt: skip
+                  "PyTorch cull (eager) | PyTorch cull (compiled mask) | kernel cull |",
+                  "|---|---|---|---|---|---|---|", *mask_lines]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -293,7 +316,11 @@ def main() -> int:
         out = str(out_dir / "bench_cull.json")
     Path(out).write_text(json.dumps({"meta": meta, "results": results, "table": table}, indent=1))
     print(f"bench_cull: wrote {out} ({meta['seconds']:.0f} s)")
-    return 0 if all(math.isfinite(r["median"]["raster_bwd_ms_on"]) for r in results.values()) else 1
+    mismatched = [n for n, r in results.items() if not all(v["kernel_pairs_equal_torch"] for v in r["views"])]
+    if mismatched:
+        print(f"bench_cull: the kernel cull's pairs differ from the PyTorch cull's in {', '.join(mismatched)}")
+    finite = all(math.isfinite(r["median"][f"raster_bwd_ms_{t}"]) for r in results.values() for t, *_ in SETTINGS)
+    return 0 if finite and not mismatched else 1
 
 
 if __name__ == "__main__":

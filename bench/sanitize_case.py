@@ -4,7 +4,8 @@ Run by bench/gpu_tests.sh as
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 -m bench.sanitize_case
 (no caching allocator, so an access past a tensor's end leaves its own allocation and is seen).
 Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
-channel counts that take the direct (3), padded (5) and chunked (40) paths.
+channel counts that take the direct (3), padded (5) and chunked (40) paths; then the culled
+tile intersection (render.ellipse_cull) on the same cameras.
 """
 
 from __future__ import annotations
@@ -59,7 +60,26 @@ def main() -> int:
             print(f"sanitize case: non-finite gradient in mode={mode} vector={vector} ch={ch}")
             return 1
     print(f"sanitize case: {len(runs)} forward+backward runs done, {flatten_ids.numel()} intersections")
+    if culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height):
+        return 1
     return step_kernels_case(gen)
+
+
+def culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height) -> int:
+    """The culled intersection kernels (render.ellipse_cull) on the same two cameras."""
+    from gstrain.render.cuda import ensure_built
+    from gstrain.render.cull import cull_pairs
+    from gstrain.render.isect import culled_intersection
+
+    ours = culled_intersection(ensure_built(), means2d, radii, depths, conics, opac, width, height, 16)
+    oracle = cull_pairs(means2d, conics, opac, offsets, flatten_ids, width, height, 16)
+    torch.cuda.synchronize()
+    same = torch.equal(ours.flatten_ids, oracle.flatten_ids) and torch.equal(ours.isect_offsets, oracle.isect_offsets)
+    if not same:
+        print("sanitize case: the culled intersection differs from isect_tiles + cull_pairs")
+        return 1
+    print(f"sanitize case: culled intersection done, {ours.pairs_before} -> {ours.pairs_after} pairs")
+    return 0
 
 
 def step_kernels_case(gen: torch.Generator) -> int:

@@ -105,7 +105,8 @@ class RenderConfig:
     atomic_mode: str = "arc"  # our CUDA backward's reduction: atomic | warp | distwar | arc
     atomic_threshold: int = 8  # distwar's T (arc tunes its own)
     # opt-in speed switch (CUDA backends): drop (Gaussian, tile) pairs whose alpha is provably
-    # < 1/255 on the whole tile (gstrain/render/cull.py); images and gradients stay the same
+    # < 1/255 on the whole tile, inside our intersection kernel (gstrain/render/isect.py, test in
+    # cull.py); images and gradients stay the same
     ellipse_cull: bool = False
 
 

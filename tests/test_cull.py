@@ -3,7 +3,9 @@
 The pair lists here are built by an independent loop over CONVENTIONS' tile rule (gsplat's
 isect_tiles is CUDA only); every dropped pair is checked by brute force over its tile's pixel
 centres in float64, and the rebuilt offsets against a per-tile filter of the original lists.
-The `cuda` test at the end renders through our kernels with the switch on and off.
+The `cuda` tests at the end render through our kernels with the switch on and off, and check
+our culled intersection kernel (gstrain/render/isect.py) pair for pair against gsplat's
+isect_tiles followed by cull_pairs.
 """
 
 from __future__ import annotations
@@ -300,3 +302,108 @@ def test_render_cuda_with_and_without_cull(mode: str) -> None:
         err_off = (b - r).norm().item() / max(r.norm().item(), 1e-12)  # says whether the scene or the cull
         assert err_ref < (1e-4 if k in ("image", "alpha") else 2e-3), (k, err_ref, "without cull", err_off)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# on the GPU: our culled intersection kernel (gstrain/render/isect.py) against gsplat's
+# isect_tiles followed by the PyTorch cull_pairs, pair for pair
+
+
+def kernel_and_oracle(sp: dict[str, Tensor], width: int, height: int):
+    from gsplat import isect_offset_encode, isect_tiles
+
+    from gstrain.render.cuda import ensure_built
+    from gstrain.render.isect import culled_intersection
+
+    g = {k: v.cuda() for k, v in sp.items()}
+    cams = g["depths"].shape[0]
+    tw, th = math.ceil(width / TILE), math.ceil(height / TILE)
+    _, isect_ids, flat = isect_tiles(g["means2d"], g["radii"], g["depths"], TILE, tw, th, n_images=cams)
+    offsets = isect_offset_encode(isect_ids, cams, tw, th)
+    oracle = cull_pairs(g["means2d"], g["conics"], g["opacities"], offsets, flat, width, height, TILE)
+    ours = culled_intersection(ensure_built(), g["means2d"], g["radii"], g["depths"], g["conics"], g["opacities"],
+                               width, height, TILE)  # fmt: skip
+    return ours, oracle, flat.numel()
+
+
+def assert_same_pairs(ours, oracle, bbox_pairs_count: int) -> None:
+    assert ours.isect_offsets.dtype == torch.int32 and ours.flatten_ids.dtype == torch.int32
+    assert ours.isect_offsets.shape == oracle.isect_offsets.shape
+    assert torch.equal(ours.isect_offsets, oracle.isect_offsets)
+    assert torch.equal(ours.flatten_ids, oracle.flatten_ids)
+    assert (ours.pairs_before, ours.pairs_after) == (bbox_pairs_count, oracle.pairs_after)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("n", "seed", "width", "height", "cams", "tied_depths"),
+    [(300, 20, 93, 77, 1, False), (2000, 21, 250, 170, 2, False), (3000, 22, 333, 215, 2, True),
+     (30000, 23, 1001, 601, 1, False), (20000, 24, 517, 389, 1, True)],
+)  # fmt: skip
+def test_kernel_intersection_equals_isect_tiles_then_cull(n: int, seed: int, width: int, height: int, cams: int,
+                                                          tied_depths: bool) -> None:  # fmt: skip
+    """Beer-like random splats (sizes not multiples of 16, means up to 20 px off screen, boxes
+    past the edges): the same tiles' lists, in the same order, as isect_tiles + cull_pairs. Tied
+    depths check the sort is stable (equal keys keep Gaussian order, as gsplat's radix sort)."""
+    sp = random_splats(n, seed, width, height, cams)
+    if tied_depths:
+        sp["depths"] = (sp["depths"] * 4).round() / 4  # 5 distinct depths
+    ours, oracle, before = kernel_and_oracle(sp, width, height)
+    assert 0 < oracle.pairs_after < before
+    assert_same_pairs(ours, oracle, before)
+    print(f"n={n} {width}x{height} C={cams}: pairs {before} -> {ours.pairs_after}")
+
+
+@pytest.mark.cuda
+def test_kernel_intersection_edge_cases() -> None:
+    """Zero radii (no tiles), zero opacity (all culled), conics that are not positive definite or
+    NaN (all kept), negative depths (their bits sort last, as gsplat's), a NaN opacity (kept);
+    then no pairs at all."""
+    width, height = 75, 50
+    sp = random_splats(200, 25, width, height, cams=2)
+    sp["radii"][0, :20] = 0
+    sp["radii"][1, 20:30, 1] = 0
+    sp["opacities"][:, 30:50] = 0.0
+    sp["conics"][:, 50:60] = torch.tensor([1.0, 2.0, 1.0])
+    sp["conics"][:, 60:70, 1] = float("nan")
+    sp["opacities"][:, 70:80] = float("nan")
+    sp["depths"][:, 80:100] *= -1
+    ours, oracle, before = kernel_and_oracle(sp, width, height)
+    assert_same_pairs(ours, oracle, before)
+    kept = set(ours.flatten_ids.tolist())
+    assert not kept & set(range(20)) and not kept & {200 + g for g in range(20, 30)}
+    assert not kept & ({g for g in range(30, 50)} | {200 + g for g in range(30, 50)})
+
+    sp["radii"].zero_()
+    ours, oracle, before = kernel_and_oracle(sp, width, height)
+    assert before == 0 and ours.flatten_ids.numel() == 0 and ours.pairs_after == 0
+    assert torch.equal(ours.isect_offsets, torch.zeros_like(ours.isect_offsets))
+
+
+@pytest.mark.cuda
+def test_project_splats_kernel_and_pytorch_cull_agree() -> None:
+    """Through gsplat's projection of a 3D scene: project_splats' kernel cull (the default with
+    ellipse_cull) and its PyTorch one give the same pairs, and the same counts as no cull."""
+    from gstrain.render.cuda import project_splats
+
+    width, height = 211, 133
+    n = 4000
+    gen = torch.Generator().manual_seed(26)
+    z = 2.0 + 6.0 * torch.rand(n, generator=gen)
+    xy = (torch.rand(n, 2, generator=gen) * 2 - 1) * 0.8 * z[:, None]  # some project off screen
+    params = {
+        "means": torch.cat([xy, z[:, None]], 1).cuda(),
+        "scales": (torch.tensor([-2.0, -4.0, -4.0]) + 0.7 * torch.randn(n, 3, generator=gen)).cuda(),
+        "quats": torch.randn(n, 4, generator=gen).cuda(),
+        "opacities": torch.logit(0.005 + 0.9 * torch.rand(n, generator=gen)).cuda(),
+    }
+    f = 0.9 * width
+    viewmat = torch.eye(4).cuda()
+    K = torch.tensor([[f, 0.0, width / 2], [0.0, f, height / 2], [0.0, 0.0, 1.0]]).cuda()
+    with torch.no_grad():
+        off = project_splats(params, viewmat, K, width, height)
+        ours = project_splats(params, viewmat, K, width, height, ellipse_cull=True)
+        oracle = project_splats(params, viewmat, K, width, height, ellipse_cull=True, cull_kernel=False)
+    assert torch.equal(ours.isect_offsets, oracle.isect_offsets)
+    assert torch.equal(ours.flatten_ids, oracle.flatten_ids)
+    assert ours.pairs == oracle.pairs and ours.pairs[0] == off.flatten_ids.numel() > ours.pairs[1] > 0

@@ -6,6 +6,8 @@ Every rank calls render_sharded with its own shard and the same batch (cameras a
 2. per-view record counts, then the records, go through one uneven all_to_all_single each
    (exchange.py); the backward returns the records' gradients through the reverse exchange;
 3. as renderer, it rasterizes each of its views from the records it received.
+One rank on a GPU (W=1) skips 1-2: nothing crosses a shard, so its views rasterize the projection
+directly, as render_cuda does.
 
 Order: the received rows come source rank by source rank, each owner's rows by ascending local
 index, and `rasterize` sorts them by depth stably. So records of equal depth keep rank-major
@@ -134,6 +136,28 @@ def _compact(mask: Tensor, total: int) -> Tensor:
     return out[:total]
 
 
+def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int, projected: tuple[Tensor, ...],
+                  opacities: Tensor, background: Tensor | None, options: RasterOptions) -> ShardedRender:
+    """One rank owns everything (W=1 on a GPU): nothing crosses a shard, so nothing is packed or
+    exchanged; each view rasterizes the owner's projection directly (what render_cuda does)."""
+    from gstrain.render.cuda import intersect_splats, rasterize_splats, splat_colors
+
+    means2d, radii, conics, depths = projected
+    images, alphas = [], []
+    for i in range(len(batch)):
+        view = slice(i, i + 1)  # slices of the [B, N, ...] tensors the strategy reads
+        w, h = int(batch.widths[i]), int(batch.heights[i])
+        splats = intersect_splats(means2d[view], conics[view], opacities[None], radii[view], depths[view], w, h,
+                                  options.ellipse_cull)  # fmt: skip
+        colors = splat_colors(shard, batch.viewmats[i], sh_degree, radii[view])
+        image, alpha = rasterize_splats(splats, colors, background, options)
+        images.append(image[0])
+        alphas.append(alpha[0])
+    info = strategy_info(means2d, radii, depths, conics, int(batch.widths[0]), int(batch.heights[0]))
+    info["n_cameras"] = len(batch)
+    return ShardedRender(list(range(len(batch))), images, alphas, info, means2d.new_zeros(()))
+
+
 def render_sharded(
     shard: Mapping[str, Tensor],
     batch: ViewBatch,
@@ -161,6 +185,8 @@ def render_sharded(
 
     # ---- owner: project for every batch view, pack visible records by renderer rank
     means2d, radii, conics, depths = _project(shard, batch, scales, on_gpu)
+    if world == 1 and on_gpu and n_batch:
+        return _render_alone(shard, batch, sh_degree, (means2d, radii, conics, depths), opac_all, background, options)
     send_order = sorted(range(n_batch), key=lambda i: (int(batch.homes[i]), i))
     # a pageable host tensor copied without non_blocking would wait for the GPU's queue
     order_t = torch.tensor(send_order, dtype=torch.int64).to(means.device, non_blocking=True)

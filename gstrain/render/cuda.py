@@ -1,6 +1,7 @@
 """Our CUDA rasterizer: JIT build, autograd Function, and render_cuda(params, camera).
 
-Projection, spherical harmonics and tile intersection come from gsplat; rasterize forward and
+Projection, spherical harmonics and tile intersection come from gsplat (the intersection
+from our csrc/isect.cu when render.ellipse_cull is on); rasterize forward and
 backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen per call:
   atomic   every contributing lane adds its own gradients (the original 3DGS kernel)
   warp     always reduce across the warp, lane 0 adds (gsplat's way)
@@ -32,8 +33,8 @@ TILE_SIZE = 16
 MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu")
-_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh")
+_SOURCES = ("bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu", "isect.cu")
+_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h")
 _SOURCE_PATHS = tuple(_CSRC / f for f in _SOURCES)
 _HEADER_PATHS = tuple(_CSRC / f for f in _HEADERS)
 
@@ -244,10 +245,10 @@ class Splats:
 
 def project_splats(
     params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
-    ellipse_cull: bool = False,
+    ellipse_cull: bool = False, cull_kernel: bool = True,
 ) -> Splats:
     """gsplat's public projection and tile intersection for one camera; with ellipse_cull, the
-    pairs whose alpha is provably < 1/255 on their whole tile are dropped (gstrain/render/cull.py)."""
+    pairs whose alpha is provably < 1/255 on their whole tile are dropped (intersect_splats)."""
     from gsplat import fully_fused_projection
 
     radii, means2d, depths, conics, _ = fully_fused_projection(
@@ -255,17 +256,27 @@ def project_splats(
         viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
     )  # fmt: skip
     opacities = torch.sigmoid(params["opacities"])[None]
-    return intersect_splats(means2d, conics, opacities, radii, depths, width, height, ellipse_cull)
+    return intersect_splats(means2d, conics, opacities, radii, depths, width, height, ellipse_cull, cull_kernel)
 
 
 def intersect_splats(
     means2d: Tensor, conics: Tensor, opacities: Tensor, radii: Tensor, depths: Tensor, width: int, height: int,
-    ellipse_cull: bool = False,
+    ellipse_cull: bool = False, cull_kernel: bool = True,
 ) -> Splats:
-    """Tile intersection (gsplat's isect_tiles) of splats already projected into one camera
-    ([1, N, ...]: from project_splats, or records received by a sharded render)."""
+    """Tile intersection of splats already projected into one camera ([1, N, ...]: from
+    project_splats, or records received by a sharded render): gsplat's isect_tiles, or with
+    ellipse_cull only the pairs that can reach 1/255 on their tile, found by our intersection
+    kernel before the sort (gstrain/render/isect.py), or with cull_kernel=False by the PyTorch
+    cull_pairs after isect_tiles (gstrain/render/cull.py: the oracle, and bench_cull's
+    comparison). Both culls give the same pairs."""
     from gsplat import isect_offset_encode, isect_tiles
 
+    if ellipse_cull and cull_kernel:
+        from gstrain.render.isect import culled_intersection
+
+        kept = culled_intersection(ensure_built(), means2d, radii, depths, conics, opacities, width, height, TILE_SIZE)
+        return Splats(means2d, conics, depths, radii, opacities, kept.isect_offsets, kept.flatten_ids, width, height,
+                      (kept.pairs_before, kept.pairs_after))  # fmt: skip
     tiles_x = (width + TILE_SIZE - 1) // TILE_SIZE
     tiles_y = (height + TILE_SIZE - 1) // TILE_SIZE
     _, isect_ids, flatten_ids = isect_tiles(

@@ -8,6 +8,8 @@ rasterizers would skip it at every pixel anyway: images and gradients are unchan
 
 Everything is tensor ops on the pair list (CPU or CUDA, no per-pair Python). The one host sync
 is the compaction (its size), after gsplat's isect_tiles has already synced for its own.
+Renders on CUDA use isect.py instead (the same test inside our intersection kernel, before the
+sort); cull_pairs stays as its test oracle and bench_cull's comparison.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <type_traits>
 
+#include "isect.h"
 #include "raster.h"
 
 namespace gstrain {
@@ -289,10 +291,137 @@ std::vector<at::Tensor> rasterize_bwd(
     return {v_means2d, v_conics, v_colors, v_opacities, v_abs};
 }
 
+
+namespace {
+
+int bit_width(int64_t v) {
+    int bits = 0;
+    for (; v > 0; v >>= 1) ++bits;
+    return bits;
+}
+
+IsectArgs make_isect_args(
+    const at::Tensor &means2d,
+    const at::Tensor &radii,
+    const at::Tensor &conics,
+    const at::Tensor &opacities,
+    int64_t width,
+    int64_t height,
+    int64_t tile_size
+) {
+    check_tensor(means2d, "means2d", at::kFloat);
+    check_tensor(radii, "radii", at::kInt);
+    check_tensor(conics, "conics", at::kFloat);
+    check_tensor(opacities, "opacities", at::kFloat);
+    TORCH_CHECK(means2d.dim() == 3 && means2d.size(2) == 2, "means2d must be [C, N, 2]");
+    const int64_t C = means2d.size(0), N = means2d.size(1);
+    TORCH_CHECK(radii.sizes() == at::IntArrayRef({C, N, 2}), "radii must be [C, N, 2]");
+    TORCH_CHECK(conics.sizes() == at::IntArrayRef({C, N, 3}), "conics must be [C, N, 3]");
+    TORCH_CHECK(opacities.sizes() == at::IntArrayRef({C, N}), "opacities must be [C, N]");
+    TORCH_CHECK(C * N < (int64_t(1) << 31), "too many Gaussians");
+    TORCH_CHECK(width > 0 && height > 0 && tile_size > 0, "empty image or tile");
+    IsectArgs a{};
+    a.n_cams = (int)C;
+    a.n_gauss = (int)N;
+    a.width = (int)width;
+    a.height = (int)height;
+    a.tile_size = (int)tile_size;
+    a.tiles_x = (int)((width + tile_size - 1) / tile_size);
+    a.tiles_y = (int)((height + tile_size - 1) / tile_size);
+    // gsplat's key: camera | tile | 32 depth bits, the first two in 32 bits together
+    TORCH_CHECK(bit_width(C) + bit_width((int64_t)a.tiles_x * a.tiles_y) <= 32, "too many cameras and tiles");
+    a.means2d = means2d.data_ptr<float>();
+    a.radii = radii.data_ptr<int>();
+    a.conics = conics.data_ptr<float>();
+    a.opacities = opacities.data_ptr<float>();
+    return a;
+}
+
+} // namespace
+
+// -> tiles kept per (camera, Gaussian) [C*N] int32, and [pairs of the bounding rectangles
+//    (gsplat's isect_tiles count), pairs kept] int64 [2] (read once: the one host sync)
+std::vector<at::Tensor> isect_count(
+    const at::Tensor &means2d,
+    const at::Tensor &radii,
+    const at::Tensor &conics,
+    const at::Tensor &opacities,
+    int64_t width,
+    int64_t height,
+    int64_t tile_size
+) {
+    const c10::cuda::CUDAGuard guard(means2d.device());
+    const IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
+    at::Tensor counts = at::empty({(int64_t)a.n_cams * a.n_gauss}, means2d.options().dtype(at::kInt));
+    at::Tensor totals = at::zeros({2}, means2d.options().dtype(at::kLong));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    check_cuda(
+        launch_isect_count(
+            a, counts.data_ptr<int>(), reinterpret_cast<unsigned long long *>(totals.data_ptr<int64_t>()), stream
+        ),
+        "intersection count"
+    );
+    return {counts, totals};
+}
+
+// -> isect_ids [M] int64 (gsplat's layout) and flatten_ids [M] int32, sorted by isect_id (stable:
+//    a tile's equal depths keep Gaussian order); cum = inclusive prefix sum of isect_count's counts.
+std::vector<at::Tensor> isect_fill(
+    const at::Tensor &means2d,
+    const at::Tensor &radii,
+    const at::Tensor &depths,
+    const at::Tensor &conics,
+    const at::Tensor &opacities,
+    const at::Tensor &cum,
+    int64_t n_pairs,
+    int64_t width,
+    int64_t height,
+    int64_t tile_size
+) {
+    const c10::cuda::CUDAGuard guard(means2d.device());
+    const IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
+    const int64_t n = (int64_t)a.n_cams * a.n_gauss;
+    check_tensor(depths, "depths", at::kFloat);
+    check_tensor(cum, "cum", at::kLong);
+    TORCH_CHECK(depths.numel() == n && cum.numel() == n, "depths and cum must hold C*N values");
+    TORCH_CHECK(n_pairs >= 0 && n_pairs < (int64_t(1) << 31), "pair count out of range: ", n_pairs);
+    const auto opts = means2d.options();
+    at::Tensor keys = at::empty({n_pairs}, opts.dtype(at::kLong));
+    at::Tensor ids = at::empty({n_pairs}, opts.dtype(at::kInt));
+    if (n_pairs == 0) return {keys, ids};
+    const int tile_bits = bit_width((int64_t)a.tiles_x * a.tiles_y);
+    const int end_bit = 32 + tile_bits + bit_width(a.n_cams);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    check_cuda(
+        launch_isect_fill(
+            a, depths.data_ptr<float>(), cum.data_ptr<int64_t>(), tile_bits, keys.data_ptr<int64_t>(),
+            ids.data_ptr<int>(), stream
+        ),
+        "intersection fill"
+    );
+    at::Tensor keys_sorted = at::empty_like(keys);
+    at::Tensor ids_sorted = at::empty_like(ids);
+    const int m = (int)n_pairs;
+    size_t temp_bytes = 0;
+    const auto sort = [&](void *temp) {
+        return isect_sort_pairs(
+            temp, temp_bytes, keys.data_ptr<int64_t>(), keys_sorted.data_ptr<int64_t>(), ids.data_ptr<int>(),
+            ids_sorted.data_ptr<int>(), m, end_bit, stream
+        );
+    };
+    check_cuda(sort(nullptr), "intersection sort (size query)");
+    // at least one byte: a null pointer would make the second call a size query again
+    at::Tensor temp = at::empty({std::max<int64_t>((int64_t)temp_bytes, 1)}, opts.dtype(at::kByte));
+    check_cuda(sort(temp.data_ptr()), "intersection sort");
+    return {keys_sorted, ids_sorted};
+}
+
 } // namespace gstrain
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rasterize_fwd", &gstrain::rasterize_fwd, "tile rasterizer forward");
     m.def("rasterize_bwd", &gstrain::rasterize_bwd, "tile rasterizer backward");
+    m.def("isect_count", &gstrain::isect_count, "culled tile intersection: tiles kept per Gaussian");
+    m.def("isect_fill", &gstrain::isect_fill, "culled tile intersection: sorted pairs");
     m.attr("THRESHOLD_NEVER") = gstrain::kThresholdNever;
 }

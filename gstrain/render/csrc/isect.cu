@@ -1,0 +1,216 @@
+// Tile intersection with the ellipse cull (render.ellipse_cull): a (Gaussian, tile) pair is made
+// only when the Gaussian's alpha may reach 1/255 at a pixel centre of the tile, so culled pairs
+// never reach the sort. The tile range is gsplat's isect_tiles rule (its bounding rectangle);
+// the test is gstrain/render/cull.py:keep_mask and alpha_bound.py, evaluated here operation by
+// operation in the same order with round-to-nearest intrinsics (no FMA contraction), so the kept
+// pairs equal the PyTorch oracle's exactly. NaN anywhere keeps the pair, as there.
+#include <cub/cub.cuh>
+
+#include "isect.h"
+
+namespace gstrain {
+namespace {
+
+constexpr int kIsectThreads = 256;
+
+// torch.minimum / torch.maximum / clamp: a NaN operand gives NaN (fminf / fmaxf would drop it).
+__device__ __forceinline__ float nan_min(float x, float y) { return (x != x || y != y) ? x + y : fminf(x, y); }
+__device__ __forceinline__ float nan_max(float x, float y) { return (x != x || y != y) ? x + y : fmaxf(x, y); }
+
+// A floor / ceil'd tile coordinate clamped to [0, n]; negative and NaN give 0 (gsplat casts to
+// uint32, which saturates, then clamps).
+__device__ __forceinline__ unsigned tile_bound(float t, unsigned n) {
+    return t > 0.f ? (unsigned)fminf(t, (float)n) : 0u;
+}
+
+struct Rect {
+    unsigned x0, x1, y0, y1; // tiles [x0, x1) x [y0, y1)
+};
+
+struct Ellipse {
+    float mx, my, a, b, c, thr;
+};
+
+// alpha_bound.sigma_threshold for one Gaussian (same operations, same order).
+__device__ float sigma_threshold(float a, float b, float c, float opacity) {
+    const float root = __fsqrt_rn(nan_max(__fmul_rn(a, c), 0.f));
+    const float ab = fabsf(b);
+    const bool pd = a > 0.f && c > 0.f && root > ab && isfinite(a) && isfinite(b) && isfinite(c);
+    const float kappa = __fdiv_rn(__fadd_rn(root, ab), pd ? __fsub_rn(root, ab) : 1.f);
+    const float shrink = __fsub_rn(1.f, __fmul_rn(kappa, (float)4e-6));
+    const float level = logf(__fmul_rn(opacity, 255.f));
+    const float padded = __fadd_rn(level, __fmul_rn(__fadd_rn(fabsf(level), 1.f), (float)2e-3));
+    float thr = __fdiv_rn(padded, nan_max(shrink, (float)1e-3));
+    if (level == -INFINITY) thr = level;
+    const bool keep_always = !pd || shrink < 0.5f;
+    return keep_always ? INFINITY : thr;
+}
+
+// sigma = (a ux^2 + c uy^2) / 2 + b ux uy, rounded as alpha_bound.min_sigma_on_rect rounds it.
+__device__ __forceinline__ float sigma_at(const Ellipse &e, float ux, float uy) {
+    const float q = __fadd_rn(__fmul_rn(__fmul_rn(e.a, ux), ux), __fmul_rn(__fmul_rn(e.c, uy), uy));
+    return __fadd_rn(__fmul_rn(q, 0.5f), __fmul_rn(__fmul_rn(e.b, ux), uy));
+}
+
+// A row of tiles: its pixel-centre rows relative to the mean ([ly, hy], clipped to the image),
+// and the unclamped vertices of sigma's parabolas along its two horizontal edges (the same for
+// every tile of the row: computed once).
+struct TileRow {
+    float ly, hy, vx_ly, vx_hy;
+};
+
+__device__ __forceinline__ TileRow tile_row(const IsectArgs &a, const Ellipse &e, unsigned ty) {
+    const float ts = (float)a.tile_size;
+    const float cy = __fmul_rn((float)ty, ts);
+    TileRow row;
+    row.ly = __fsub_rn(__fadd_rn(cy, 0.5f), e.my);
+    row.hy = __fsub_rn(fminf(__fadd_rn(cy, ts - 0.5f), (float)a.height - 0.5f), e.my);
+    row.vx_ly = __fdiv_rn(__fmul_rn(-e.b, row.ly), e.a);
+    row.vx_hy = __fdiv_rn(__fmul_rn(-e.b, row.hy), e.a);
+    return row;
+}
+
+// cull.keep_mask for tile tx of a row: alpha_bound.min_sigma_on_rect over the tile's pixel-centre
+// rectangle [lx, hx] x [ly, hy] (clipped to the image) against the threshold.
+__device__ __forceinline__ bool keeps_tile(const IsectArgs &a, const Ellipse &e, const TileRow &row, unsigned tx) {
+    const float ts = (float)a.tile_size;
+    const float cx = __fmul_rn((float)tx, ts);
+    const float lx = __fsub_rn(__fadd_rn(cx, 0.5f), e.mx);
+    const float hx = __fsub_rn(fminf(__fadd_rn(cx, ts - 0.5f), (float)a.width - 0.5f), e.mx);
+    const float ly = row.ly, hy = row.hy;
+    float sigma = 0.f; // the mean inside the rectangle
+    if (!(lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f)) {
+        // on each edge the other coordinate sits at the 1-D parabola's vertex, clamped to the edge
+        const float y_lx = nan_min(nan_max(__fdiv_rn(__fmul_rn(-e.b, lx), e.c), ly), hy);
+        const float y_hx = nan_min(nan_max(__fdiv_rn(__fmul_rn(-e.b, hx), e.c), ly), hy);
+        const float x_ly = nan_min(nan_max(row.vx_ly, lx), hx);
+        const float x_hy = nan_min(nan_max(row.vx_hy, lx), hx);
+        sigma = nan_min(nan_min(sigma_at(e, lx, y_lx), sigma_at(e, hx, y_hx)),
+                        nan_min(sigma_at(e, x_ly, ly), sigma_at(e, x_hy, hy)));
+    }
+    return !(sigma > e.thr);
+}
+
+// The bounding rectangle's tiles (gsplat's rule: floor / ceil of (mean -/+ radius) / tile) and
+// the ellipse; false when a radius is <= 0 (no tiles).
+__device__ bool load_gaussian(const IsectArgs &a, int64_t i, Rect &r, Ellipse &e) {
+    const int rx = a.radii[2 * i], ry = a.radii[2 * i + 1];
+    if (rx <= 0 || ry <= 0) return false;
+    const float ts = (float)a.tile_size;
+    e.mx = a.means2d[2 * i];
+    e.my = a.means2d[2 * i + 1];
+    const float tx = __fdiv_rn(e.mx, ts), ty = __fdiv_rn(e.my, ts);
+    const float trx = __fdiv_rn((float)rx, ts), tr_y = __fdiv_rn((float)ry, ts);
+    r.x0 = tile_bound(floorf(__fsub_rn(tx, trx)), (unsigned)a.tiles_x);
+    r.x1 = tile_bound(ceilf(__fadd_rn(tx, trx)), (unsigned)a.tiles_x);
+    r.y0 = tile_bound(floorf(__fsub_rn(ty, tr_y)), (unsigned)a.tiles_y);
+    r.y1 = tile_bound(ceilf(__fadd_rn(ty, tr_y)), (unsigned)a.tiles_y);
+    e.a = a.conics[3 * i];
+    e.b = a.conics[3 * i + 1];
+    e.c = a.conics[3 * i + 2];
+    e.thr = sigma_threshold(e.a, e.b, e.c, a.opacities[i]);
+    return true;
+}
+
+__device__ __forceinline__ int64_t rect_tiles(const Rect &r) {
+    return (int64_t)(r.x1 - r.x0) * (int64_t)(r.y1 - r.y0);
+}
+
+__global__ void __launch_bounds__(kIsectThreads)
+    isect_count_kernel(const IsectArgs a, int *__restrict__ counts, unsigned long long *__restrict__ totals) {
+    const int64_t n = (int64_t)a.n_cams * a.n_gauss;
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long all = 0, kept = 0;
+    if (i < n) {
+        Rect r;
+        Ellipse e;
+        if (load_gaussian(a, i, r, e)) {
+            all = (unsigned long long)rect_tiles(r);
+            if (e.thr == INFINITY) { // never provably below the cut-off: every tile stays
+                kept = all;
+            } else {
+                for (unsigned ty = r.y0; ty < r.y1; ++ty) {
+                    const TileRow row = tile_row(a, e, ty);
+                    for (unsigned tx = r.x0; tx < r.x1; ++tx) kept += keeps_tile(a, e, row, tx);
+                }
+            }
+        }
+        counts[i] = (int)kept;
+    }
+    // one atomic per warp and counter (every lane is still here: no early return above)
+    for (int off = 16; off > 0; off >>= 1) {
+        all += __shfl_down_sync(0xffffffffu, all, off);
+        kept += __shfl_down_sync(0xffffffffu, kept, off);
+    }
+    if ((threadIdx.x & 31) == 0 && (all | kept) != 0) {
+        atomicAdd(totals, all);
+        atomicAdd(totals + 1, kept);
+    }
+}
+
+__global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
+    const IsectArgs a,
+    const float *__restrict__ depths,
+    const int64_t *__restrict__ cum,
+    int tile_bits,
+    int64_t *__restrict__ keys,
+    int *__restrict__ ids
+) {
+    const int64_t n = (int64_t)a.n_cams * a.n_gauss;
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int64_t cur = i == 0 ? 0 : cum[i - 1];
+    const int64_t end = cum[i];
+    if (cur == end) return;
+    Rect r;
+    Ellipse e;
+    if (!load_gaussian(a, i, r, e)) return;
+    const bool every = end - cur == rect_tiles(r); // the count kept them all: no need to test
+    const int64_t cam_key = (i / a.n_gauss) << (32 + tile_bits);
+    const int64_t depth_key = (int64_t)__float_as_uint(depths[i]); // the bits, zero-extended
+    for (unsigned ty = r.y0; ty < r.y1; ++ty) {
+        const TileRow row = tile_row(a, e, ty);
+        for (unsigned tx = r.x0; tx < r.x1; ++tx) {
+            if (!every && !keeps_tile(a, e, row, tx)) continue;
+            const int64_t tile = (int64_t)ty * a.tiles_x + tx;
+            keys[cur] = cam_key | (tile << 32) | depth_key;
+            ids[cur] = (int)i;
+            if (++cur == end) return; // the count's tiles are all written (a guard: never past them)
+        }
+    }
+}
+
+int blocks_for(int64_t n) { return (int)((n + kIsectThreads - 1) / kIsectThreads); }
+
+} // namespace
+
+cudaError_t launch_isect_count(const IsectArgs &a, int *counts, unsigned long long *totals, cudaStream_t stream) {
+    const int64_t n = (int64_t)a.n_cams * a.n_gauss;
+    if (n == 0) return cudaSuccess;
+    isect_count_kernel<<<blocks_for(n), kIsectThreads, 0, stream>>>(a, counts, totals);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_isect_fill(
+    const IsectArgs &a, const float *depths, const int64_t *cum, int tile_bits, int64_t *keys, int *ids,
+    cudaStream_t stream
+) {
+    const int64_t n = (int64_t)a.n_cams * a.n_gauss;
+    if (n == 0) return cudaSuccess;
+    isect_fill_kernel<<<blocks_for(n), kIsectThreads, 0, stream>>>(a, depths, cum, tile_bits, keys, ids);
+    return cudaGetLastError();
+}
+
+cudaError_t isect_sort_pairs(
+    void *temp, size_t &temp_bytes, const int64_t *keys_in, int64_t *keys_out, const int *ids_in, int *ids_out,
+    int n, int end_bit, cudaStream_t stream
+) {
+    // the keys are non-negative: sorting them as unsigned is the same order, with no sign twiddle
+    using Key = unsigned long long;
+    return cub::DeviceRadixSort::SortPairs(
+        temp, temp_bytes, reinterpret_cast<const Key *>(keys_in), reinterpret_cast<Key *>(keys_out), ids_in, ids_out,
+        n, 0, end_bit, stream
+    );
+}
+
+} // namespace gstrain
