@@ -52,12 +52,17 @@ def _scene() -> tuple[dict[str, torch.Tensor], ViewBatch, torch.Tensor]:
     return {k: v.cuda() for k, v in params.items()}, batch, weights
 
 
+# every atomic mode, and the ellipse cull (same function: the culled pairs stay below 1/255)
+SETTINGS = {**{mode: RasterOptions(atomic_mode=mode) for mode in ATOMIC_MODES},
+            "warp+cull": RasterOptions(atomic_mode="warp", ellipse_cull=True)}
+
+
 def _whole_model(params: dict, batch: ViewBatch, weights: torch.Tensor, mode: str) -> tuple[list, dict]:
-    """render_cuda of every view from the whole model: the independent reference."""
+    """render_cuda of every view from the whole model, without the cull: the independent reference."""
     from gstrain.render.cuda import render_cuda
 
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    opts = RasterOptions(atomic_mode=mode)
+    opts = RasterOptions(atomic_mode=mode.split("+")[0])
     images = [render_cuda(p, batch.viewmats[i], batch.Ks[i], W_IMG, H_IMG, SH, options=opts)[0] for i in range(2)]
     sum((img * weights[i]).sum() for i, img in enumerate(images)).backward()
     return [i.detach() for i in images], {k: v.grad for k, v in p.items()}
@@ -74,12 +79,12 @@ def _check(images: list, grads: dict, ref_images: list, ref_grads: dict) -> None
         torch.testing.assert_close(g, ref_grads[k], rtol=1e-3, atol=1e-4 * scale, msg=k)
 
 
-@pytest.mark.parametrize("mode", ATOMIC_MODES)
+@pytest.mark.parametrize("mode", SETTINGS)
 def test_one_process_sharded_render_equals_render_cuda(mode: str) -> None:
     params, batch, weights = _scene()
     batch.homes = [0, 0]
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    out = render_sharded(p, batch, SH, backend="cuda", options=RasterOptions(atomic_mode=mode))
+    out = render_sharded(p, batch, SH, backend="cuda", options=SETTINGS[mode])
     loss = out.zero_term + sum((img * weights[i]).sum() for i, img in zip(out.views, out.images, strict=True))
     loss.backward()
     assert out.owner_info["means2d"].shape == (2, N, 2)
@@ -91,9 +96,9 @@ def _rank(rank: int, world: int) -> dict:
     params, batch, weights = _scene()
     rows = shard_indices(round_robin_partition(N, world), world)[rank].cuda()
     results = {}
-    for mode in ATOMIC_MODES:
+    for mode, options in SETTINGS.items():
         shard = {k: v[rows].clone().requires_grad_(True) for k, v in params.items()}
-        out = render_sharded(shard, batch, SH, backend="cuda", options=RasterOptions(atomic_mode=mode))
+        out = render_sharded(shard, batch, SH, backend="cuda", options=options)
         loss = out.zero_term + sum((img * weights[i]).sum() for i, img in zip(out.views, out.images, strict=True))
         loss.backward()
         results[mode] = {"views": out.views, "images": [i.detach().cpu() for i in out.images],
@@ -104,7 +109,7 @@ def _rank(rank: int, world: int) -> dict:
 def test_two_gloo_ranks_on_one_gpu_equal_render_cuda() -> None:
     runs = run_local(_rank, 2, timeout=240)
     params, batch, weights = _scene()
-    for mode in ATOMIC_MODES:
+    for mode in SETTINGS:
         ref_images, ref_grads = _whole_model(params, batch, weights, mode)
         for r, run in enumerate(runs):
             res = run[mode]
