@@ -116,33 +116,80 @@ __device__ __forceinline__ int64_t rect_tiles(const Rect &r) {
     return (int64_t)(r.x1 - r.x0) * (int64_t)(r.y1 - r.y0);
 }
 
+// Rectangles with more tiles than this are walked by the whole warp, 32 tiles at a time: one
+// thread walking a large Gaussian's thousands of tiles (each with the ellipse test) alone would
+// hold its warp, and the kernel, for milliseconds.
+constexpr int64_t kWarpTiles = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Tile k of a rectangle, row-major.
+__device__ __forceinline__ void rect_tile(const Rect &r, int64_t k, unsigned &tx, unsigned &ty) {
+    const int64_t w = (int64_t)(r.x1 - r.x0);
+    ty = r.y0 + (unsigned)(k / w);
+    tx = r.x0 + (unsigned)(k % w);
+}
+
+// Lane src's Gaussian, for the whole warp.
+__device__ __forceinline__ void broadcast(const Rect &r, const Ellipse &e, int src, Rect &rr, Ellipse &ee) {
+    rr.x0 = __shfl_sync(kFullMask, r.x0, src);
+    rr.x1 = __shfl_sync(kFullMask, r.x1, src);
+    rr.y0 = __shfl_sync(kFullMask, r.y0, src);
+    rr.y1 = __shfl_sync(kFullMask, r.y1, src);
+    ee.mx = __shfl_sync(kFullMask, e.mx, src);
+    ee.my = __shfl_sync(kFullMask, e.my, src);
+    ee.a = __shfl_sync(kFullMask, e.a, src);
+    ee.b = __shfl_sync(kFullMask, e.b, src);
+    ee.c = __shfl_sync(kFullMask, e.c, src);
+    ee.thr = __shfl_sync(kFullMask, e.thr, src);
+}
+
 __global__ void __launch_bounds__(kIsectThreads)
     isect_count_kernel(const IsectArgs a, int *__restrict__ counts, unsigned long long *__restrict__ totals) {
     const int64_t n = (int64_t)a.n_cams * a.n_gauss;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int lane = (int)(threadIdx.x & 31);
     unsigned long long all = 0, kept = 0;
-    if (i < n) {
-        Rect r;
-        Ellipse e;
-        if (load_gaussian(a, i, r, e)) {
-            all = (unsigned long long)rect_tiles(r);
-            if (e.thr == INFINITY) { // never provably below the cut-off: every tile stays
-                kept = all;
-            } else {
-                for (unsigned ty = r.y0; ty < r.y1; ++ty) {
-                    const TileRow row = tile_row(a, e, ty);
-                    for (unsigned tx = r.x0; tx < r.x1; ++tx) kept += keeps_tile(a, e, row, tx);
-                }
+    Rect r{};
+    Ellipse e{};
+    const bool live = i < n && load_gaussian(a, i, r, e);
+    const int64_t tiles = live ? rect_tiles(r) : 0;
+    all = (unsigned long long)tiles;
+    // never provably below the cut-off: every tile stays, nothing to test
+    const bool alone = live && (e.thr == INFINITY || tiles <= kWarpTiles);
+    if (alone) {
+        if (e.thr == INFINITY) {
+            kept = all;
+        } else {
+            for (unsigned ty = r.y0; ty < r.y1; ++ty) {
+                const TileRow row = tile_row(a, e, ty);
+                for (unsigned tx = r.x0; tx < r.x1; ++tx) kept += keeps_tile(a, e, row, tx);
             }
         }
-        counts[i] = (int)kept;
     }
-    // one atomic per warp and counter (every lane is still here: no early return above)
+    // the large rectangles, one after another, each walked by every lane (no lane has returned)
+    for (unsigned big = __ballot_sync(kFullMask, live && !alone); big; big &= big - 1) {
+        const int src = __ffs(big) - 1;
+        Rect rr;
+        Ellipse ee;
+        broadcast(r, e, src, rr, ee);
+        const int64_t nt = rect_tiles(rr);
+        unsigned c = 0;
+        for (int64_t k = lane; k < nt; k += 32) {
+            unsigned tx, ty;
+            rect_tile(rr, k, tx, ty);
+            c += keeps_tile(a, ee, tile_row(a, ee, ty), tx);
+        }
+        for (int off = 16; off > 0; off >>= 1) c += __shfl_down_sync(kFullMask, c, off);
+        c = __shfl_sync(kFullMask, c, 0);
+        if (lane == src) kept = c;
+    }
+    if (i < n) counts[i] = (int)kept;
+    // one atomic per warp and counter
     for (int off = 16; off > 0; off >>= 1) {
-        all += __shfl_down_sync(0xffffffffu, all, off);
-        kept += __shfl_down_sync(0xffffffffu, kept, off);
+        all += __shfl_down_sync(kFullMask, all, off);
+        kept += __shfl_down_sync(kFullMask, kept, off);
     }
-    if ((threadIdx.x & 31) == 0 && (all | kept) != 0) {
+    if (lane == 0 && (all | kept) != 0) {
         atomicAdd(totals, all);
         atomicAdd(totals + 1, kept);
     }
@@ -158,24 +205,60 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
 ) {
     const int64_t n = (int64_t)a.n_cams * a.n_gauss;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    int64_t cur = i == 0 ? 0 : cum[i - 1];
-    const int64_t end = cum[i];
-    if (cur == end) return;
-    Rect r;
-    Ellipse e;
-    if (!load_gaussian(a, i, r, e)) return;
-    const bool every = end - cur == rect_tiles(r); // the count kept them all: no need to test
-    const int64_t cam_key = (i / a.n_gauss) << (32 + tile_bits);
-    const int64_t depth_key = (int64_t)__float_as_uint(depths[i]); // the bits, zero-extended
-    for (unsigned ty = r.y0; ty < r.y1; ++ty) {
-        const TileRow row = tile_row(a, e, ty);
-        for (unsigned tx = r.x0; tx < r.x1; ++tx) {
-            if (!every && !keeps_tile(a, e, row, tx)) continue;
-            const int64_t tile = (int64_t)ty * a.tiles_x + tx;
-            keys[cur] = cam_key | (tile << 32) | depth_key;
-            ids[cur] = (int)i;
-            if (++cur == end) return; // the count's tiles are all written (a guard: never past them)
+    const int lane = (int)(threadIdx.x & 31);
+    int64_t cur = 0, end = 0;
+    if (i < n) {
+        cur = i == 0 ? 0 : cum[i - 1];
+        end = cum[i];
+    }
+    Rect r{};
+    Ellipse e{};
+    const bool live = cur != end && load_gaussian(a, i, r, e);
+    const int64_t tiles = live ? rect_tiles(r) : 0;
+    const bool every = live && end - cur == tiles; // the count kept them all: no need to test
+    const bool alone = live && tiles <= kWarpTiles;
+    if (alone) {
+        const int64_t cam_key = (i / a.n_gauss) << (32 + tile_bits);
+        const int64_t depth_key = (int64_t)__float_as_uint(depths[i]); // the bits, zero-extended
+        for (unsigned ty = r.y0; ty < r.y1 && cur < end; ++ty) {
+            const TileRow row = tile_row(a, e, ty);
+            for (unsigned tx = r.x0; tx < r.x1 && cur < end; ++tx) { // cur < end: never past the count
+                if (!every && !keeps_tile(a, e, row, tx)) continue;
+                keys[cur] = cam_key | (((int64_t)ty * a.tiles_x + tx) << 32) | depth_key;
+                ids[cur++] = (int)i;
+            }
+        }
+    }
+    // the large rectangles, each walked by every lane, 32 tiles a round; a round's kept tiles take
+    // consecutive slots in lane order (any order within one Gaussian's slots sorts the same: its
+    // keys differ by tile)
+    for (unsigned big = __ballot_sync(kFullMask, live && !alone); big; big &= big - 1) {
+        const int src = __ffs(big) - 1;
+        Rect rr;
+        Ellipse ee;
+        broadcast(r, e, src, rr, ee);
+        const int64_t gi = __shfl_sync(kFullMask, (long long)i, src);
+        int64_t at = __shfl_sync(kFullMask, (long long)cur, src);
+        const int64_t stop = __shfl_sync(kFullMask, (long long)end, src);
+        const bool all_kept = __shfl_sync(kFullMask, (int)every, src) != 0;
+        const int64_t cam_key = (gi / a.n_gauss) << (32 + tile_bits);
+        const int64_t depth_key = (int64_t)__float_as_uint(depths[gi]);
+        const int64_t nt = rect_tiles(rr);
+        for (int64_t base = 0; base < nt; base += 32) { // uniform over the warp: the ballot is converged
+            const int64_t k = base + lane;
+            unsigned tx = 0, ty = 0;
+            bool keep = false;
+            if (k < nt) {
+                rect_tile(rr, k, tx, ty);
+                keep = all_kept || keeps_tile(a, ee, tile_row(a, ee, ty), tx);
+            }
+            const unsigned mask = __ballot_sync(kFullMask, keep);
+            const int64_t slot = at + __popc(mask & ((1u << lane) - 1u));
+            if (keep && slot < stop) {
+                keys[slot] = cam_key | (((int64_t)ty * a.tiles_x + tx) << 32) | depth_key;
+                ids[slot] = (int)gi;
+            }
+            at += __popc(mask);
         }
     }
 }
