@@ -5,6 +5,8 @@ No process group: the access profile (which Gaussians each view touches) and the
 counts[v, r]; gstrain.dist.comm_model turns them into the exact bytes the real exchange would move
 (tests/test_dist_render.py checks the model against the counter of a real gloo exchange).
 Per step every rank renders b=1 view drawn from its home views (B = W); bytes scale with b.
+Locality runs as gstrain runs it (dist.count_weight 0.5: the cut balances load and count) and
+balancing the views' load alone ("locality (load only)", count_weight 0).
 
 Scenes:
   beer    COLMAP scene at full resolution, its SfM points as Gaussians (gstrain's init: kNN scales)
@@ -36,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gstrain.config import DistConfig
 from gstrain.dist.comm_model import bound_step_bytes, expected_step_bytes
 from gstrain.dist.partition import (
     PARTITIONS,
@@ -210,6 +213,10 @@ def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessP
 # ---------------------------------------------------------------------------------------------
 
 
+# the partitions as gstrain runs them, plus locality balancing the views' load alone (count_weight 0)
+VARIANTS = [(p, p, DistConfig().count_weight) for p in PARTITIONS] + [("locality (load only)", "locality", 0.0)]
+
+
 def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int, ...]) -> list[dict]:
     load = prof.access_counts()
     pairs = int(prof.ids.numel())
@@ -217,8 +224,8 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
     rows = []
     for world in worlds:
         balanced = bound_step_bytes(visible, world, math.ceil(prof.n / world))
-        for part in PARTITIONS:
-            owner = make_partition(part, means, load, world, seed=0)
+        for part, kind, weight in VARIANTS:
+            owner = make_partition(kind, means, load, world, seed=0, count_weight=weight)
             largest = int(torch.bincount(owner, minlength=world).max())
             counts = view_owner_counts(prof, owner, world)
             homes = assign_homes(counts)
@@ -227,7 +234,7 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
             imbalance = float(per_rank_load.max() / per_rank_load.mean().clamp_min(1e-12))
             row = {"scene": name, "world": world, "partition": part, "views": prof.n_views, "pairs": pairs,
                    "remote_fraction": remote / max(pairs, 1),
-                   "load_max_over_mean": imbalance, "largest_shard": largest,
+                   "load_max_over_mean": imbalance, "largest_shard": largest, "n": prof.n,
                    # floors under every partition (fp32): shards of ceil(N/W), or up to this one's largest
                    "bound_bytes_mean_balanced": balanced,
                    "bound_bytes_mean_largest": bound_step_bytes(visible, world, largest)}  # fmt: skip
@@ -241,8 +248,8 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
 
 def table(rows: list[dict]) -> str:
     out = ["| scene | W | partition | MB/step/rank | fp16 | max rank MB | remote pairs | vs round robin | "
-           "bound (N/W shards) / rr | bound (this largest shard) / rr |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+           "bound (N/W shards) / rr | bound (this largest shard) / rr | largest shard / (N/W) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     rr = {(r["scene"], r["world"]): r["bytes_mean_none"] for r in rows if r["partition"] == "round_robin"}
     for r in rows:
         base = max(rr[(r["scene"], r["world"])], 1e-12)
@@ -250,7 +257,8 @@ def table(rows: list[dict]) -> str:
                    f"{r['bytes_mean_fp16'] / 1e6:.3f} | {r['bytes_max_none'] / 1e6:.3f} | "
                    f"{r['remote_fraction']:.3f} | {r['bytes_mean_none'] / base:.3f} | "
                    f"{r['bound_bytes_mean_balanced'] / base:.3f} | "
-                   f"{r['bound_bytes_mean_largest'] / base:.3f} |")  # fmt: skip
+                   f"{r['bound_bytes_mean_largest'] / base:.3f} | "
+                   f"{r['largest_shard'] * r['world'] / r['n']:.2f} |")  # fmt: skip
     return "\n".join(out)
 
 

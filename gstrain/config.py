@@ -139,6 +139,8 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     # auto: nccl on GPUs, gloo on the CPU; gloo on GPUs lets ranks share one GPU (correctness runs)
     backend: str = "auto"
     reprofile_every: int = 0  # partition again every N steps (0: never): load follows densification
+    # locality cuts balance (1 - w) * load + w * count: 0 = views' load only (uneven memory), 1 = counts
+    count_weight: float = 0.5
     always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
 
@@ -273,6 +275,8 @@ def validate(cfg: Config) -> Config:
     choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")
     if cfg.dist.reprofile_every < 0:
         raise UserError(f"dist.reprofile_every must be >= 0 (0: never); got {cfg.dist.reprofile_every}")
+    if not 0.0 <= cfg.dist.count_weight <= 1.0:
+        raise UserError(f"dist.count_weight must be in [0, 1]; got {cfg.dist.count_weight}")
     if cfg.dist.timeout_s <= 0:
         raise UserError(f"dist.timeout_s must be > 0; got {cfg.dist.timeout_s}")
     if cfg.train.batch_size < 1:

@@ -63,11 +63,34 @@ def test_every_gaussian_owned_once(kind: str, world: int) -> None:
 def test_locality_cuts_contiguous_morton_ranges_of_equal_load() -> None:
     means, load = _clustered()
     world = 7
-    owner = locality_partition(means, load, world)
+    owner = locality_partition(means, load, world, count_weight=0.0)
     along = owner[torch.argsort(morton_codes(means), stable=True)]
     assert bool((along.diff() >= 0).all())  # contiguous ranges, rank by rank
     per_rank = torch.bincount(owner, weights=load.double(), minlength=world)
     assert float((per_rank - load.sum() / world).abs().max()) <= float(load.max())
+
+
+def test_locality_count_weight_bounds_shard_sizes() -> None:
+    """Load piled on a few Gaussians: load alone gives one rank nearly everything else; with
+    count_weight w each rank holds at most N/(W w) (+1) Gaussians and load/(W (1 - w)) (+ one's)."""
+    means, _ = _clustered(n=4000)
+    load = torch.ones(4000, dtype=torch.int64)
+    hot = torch.argsort(morton_codes(means))[:200]  # the first 5% along the curve carry most load
+    load[hot] = 400
+    world, n = 4, 4000
+    load_only = torch.bincount(locality_partition(means, load, world, count_weight=0.0), minlength=world)
+    assert int(load_only.max()) > 0.6 * n  # the imbalance the weight is for
+    for w in (0.25, 0.5, 1.0):
+        owner = locality_partition(means, load, world, count_weight=w)
+        sizes = torch.bincount(owner, minlength=world)
+        assert int(sizes.max()) <= n / (world * w) + 1, (w, sizes.tolist())
+        along = owner[torch.argsort(morton_codes(means), stable=True)]
+        assert bool((along.diff() >= 0).all())
+        if w < 1.0:
+            per_rank = torch.bincount(owner, weights=load.double(), minlength=world)
+            assert float(per_rank.max()) <= float(load.sum()) / (world * (1 - w)) + float(load.max())
+    equal = torch.bincount(locality_partition(means, load, world, count_weight=1.0), minlength=world)
+    assert int(equal.max() - equal.min()) <= 1
 
 
 def test_round_robin_and_random() -> None:

@@ -110,7 +110,8 @@ class DistTrainer(Trainer):
                               torch.stack([c[0] for c in self.train_cams]), torch.stack([c[1] for c in self.train_cams]),
                               [v.width for v in views], [v.height for v in views])  # fmt: skip
         prof.ids = prof.ids.cpu()
-        owner = make_partition(kind, p["means"][on].cpu(), prof.access_counts(), self.world, self.cfg.train.seed)
+        owner = make_partition(kind, p["means"][on].cpu(), prof.access_counts(), self.world, self.cfg.train.seed,
+                               self.cfg.dist.count_weight)  # fmt: skip
         counts = view_owner_counts(prof, owner, self.world)
         shards = shard_indices(owner, self.world)
         return base[torch.cat(shards)], [len(s) for s in shards], counts
