@@ -12,6 +12,7 @@ from gstrain.dist.partition import (
     AccessProfile,
     access_profile,
     assign_homes,
+    load_imbalance,
     locality_partition,
     make_partition,
     morton_codes,
@@ -91,6 +92,12 @@ def test_locality_count_weight_bounds_shard_sizes() -> None:
             assert float(per_rank.max()) <= float(load.sum()) / (world * (1 - w)) + float(load.max())
     equal = torch.bincount(locality_partition(means, load, world, count_weight=1.0), minlength=world)
     assert int(equal.max() - equal.min()) <= 1
+
+
+def test_load_imbalance() -> None:
+    assert load_imbalance([3.0, 1.0]) == 1.5  # max 3 over mean 2
+    assert load_imbalance([5.0, 5.0, 5.0]) == 1.0
+    assert load_imbalance([0.0, 0.0]) == 1.0  # nothing sent: nothing to even out
 
 
 def test_round_robin_and_random() -> None:

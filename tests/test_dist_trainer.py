@@ -3,6 +3,7 @@ global batch: bit for bit at W=1, to float tolerance at W=2 and W=3 (sums run in
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -103,8 +104,11 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
     torch.distributed.barrier()
     resumed = _dist_fit(rank, world, scene, f"{root}/paused", CKPT, resume=True)
     refined = _dist_fit(rank, world, scene, f"{root}/refined", REFINE)
-    # partitioned again at steps 4 and 8 (the rows move between ranks): the same training
-    moved = _dist_fit(rank, world, scene, f"{root}/moved", {**CKPT, "dist": {"reprofile_every": 4}})
+    # partitioned again at steps 4 and 8 (the rows move between ranks), and at every check where
+    # one owner's load exceeded the mean (a threshold of 1, cuts that mostly balance counts): the
+    # same training
+    moved = _dist_fit(rank, world, scene, f"{root}/moved",
+                      {**CKPT, "dist": {"reprofile_every": 4, "rebalance_above": 1.0, "count_weight": 0.9}})
     # a NaN on the last rank after step 5: every rank stops at the next check (step 6, a checkpoint step)
     nan = _dist_fit(rank, world, scene, f"{root}/nan", {**CKPT, "log": {"progress_every": 3, "ckpt_every": 3}},
                     nan_at=5)
@@ -135,6 +139,8 @@ def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_
     _assert_equal_rows([r["whole"] for r in runs], plain2)
     _assert_equal_rows([r["moved"] for r in runs], plain2)
     assert not torch.equal(runs[0]["moved"]["order"], runs[0]["whole"]["order"])  # rows did move
+    rebalanced = json.loads((tmp_path / "moved" / "train_summary.json").read_text())["rebalanced_at"]
+    assert rebalanced and set(rebalanced) <= {3, 6, 9}  # the agreements (progress_every 3) before the end
     assert [(r["nan"]["status"], r["nan"]["step"]) for r in runs] == [("nan", 6), ("nan", 6)]
     assert sorted(p.name for p in (tmp_path / "nan" / "ckpt").iterdir()) == ["step_3.shards"]  # the last good one
     assert all(len(r["whole"]["params"]["means"]) > 0 for r in runs)  # every rank owns a shard

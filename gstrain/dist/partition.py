@@ -21,7 +21,8 @@ from torch import Tensor
 from gstrain.render.reference import project_gaussians
 
 __all__ = [
-    "PARTITIONS", "AccessProfile", "access_profile", "assign_homes", "locality_partition", "make_partition",
+    "PARTITIONS", "AccessProfile", "access_profile", "assign_homes", "load_imbalance", "locality_partition",
+    "make_partition",
     "morton_codes", "random_partition", "round_robin_partition", "shard_indices", "view_owner_counts",
 ]  # fmt: skip
 
@@ -137,6 +138,12 @@ def locality_partition(means: Tensor, load: Tensor, world: int, count_weight: fl
     owner = torch.empty(n, dtype=torch.int64)
     owner[order] = rank_sorted
     return owner
+
+
+def load_imbalance(loads: Sequence[float]) -> float:
+    """max / mean of the ranks' loads (records each owner sent); 1.0 when nothing was sent."""
+    total = float(sum(loads))
+    return max(loads) * len(loads) / total if total > 0 else 1.0
 
 
 def random_partition(n: int, world: int, seed: int = 0) -> Tensor:

@@ -63,6 +63,7 @@ class ShardedRender:
     # 0, tied to the exchange: add it to the loss so that every rank joins the backward
     # exchange even when its loss does not depend on any record (no views, nothing visible)
     zero_term: Tensor
+    owner_records: int = 0  # records this rank's Gaussians sent (its load this step; host int)
 
 
 def _colors_sh(shard: Mapping[str, Tensor], sh_degree: int) -> Tensor:
@@ -248,4 +249,5 @@ def render_sharded(
     height = int(batch.heights[0]) if n_batch else 0
     info = strategy_info(means2d, radii, depths, conics, width, height)
     info["n_cameras"] = n_batch
-    return ShardedRender(views=mine, images=images, alphas=alphas, owner_info=info, zero_term=recv[:0].sum())
+    return ShardedRender(views=mine, images=images, alphas=alphas, owner_info=info, zero_term=recv[:0].sum(),
+                         owner_records=total)  # fmt: skip

@@ -34,6 +34,7 @@ from gstrain.dist.launch import collective_errors
 from gstrain.dist.partition import (
     access_profile,
     assign_homes,
+    load_imbalance,
     make_partition,
     morton_codes,
     shard_indices,
@@ -90,6 +91,8 @@ class DistTrainer(Trainer):
         # rows of the partitioned model in the whole model's order before it (rank-major)
         self.row_order = torch.arange(0)
         self.comm = CommCounter()  # this rank's exchange bytes, folded into the run record every step
+        self._records = 0  # records this rank's Gaussians sent since the ranks last agreed
+        self.loads: list[float] = [0.0] * self.world  # every rank's, as of the last agreement
         with collective_errors(self.rank, cfg.dist.timeout_s):
             for p in self.params.values():  # rank 0 decides the initial model
                 dist.broadcast(p.data, 0)
@@ -216,6 +219,7 @@ class DistTrainer(Trainer):
                 for k, t in parts.items():
                     terms[k] = terms.get(k, 0) + t.detach() / b
         self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
+        self._records += out.owner_records
         sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
         self.record.comm_sent += sent
         self.record.comm_received += received
@@ -231,13 +235,30 @@ class DistTrainer(Trainer):
 
     def _agree(self, loss: torch.Tensor, stop: bool, check_params: bool) -> tuple[float, int, bool, bool]:
         """The one host sync of a sync step, and the only collective outside the render: the
-        summed loss, the Gaussian count, any rank's stop request and any non-finite parameter."""
+        summed loss, the Gaussian count, any rank's stop request and any non-finite parameter;
+        self.loads becomes every rank's records sent since the last agreement (its load)."""
         bad = check_params and not self._params_finite()
-        flags = torch.tensor([0.0, len(self.params["means"]), float(stop), float(bad)], device=self.device)
-        flags[0] += loss.float()
+        flags = torch.zeros(4 + self.world, dtype=torch.float64, device=self.device)
+        flags[4 + self.rank] = self._records  # host numbers: one small copy, no sync
+        flags[1:4] = torch.tensor([len(self.params["means"]), float(stop), float(bad)], dtype=torch.float64)
+        flags[0] += loss.double()
         dist.all_reduce(flags)
-        total, count, stops, bads = flags.tolist()
+        total, count, stops, bads, *self.loads = flags.tolist()
+        self._records = 0
         return total, int(count), stops > 0, bads > 0 or not math.isfinite(total)
+
+    def _rebalance_if_uneven(self, step: int) -> None:
+        """dist.rebalance_above: partition again when the busiest owner's load (records sent since
+        the last agreement) exceeds that many times the mean. Every rank decides from the same
+        all-reduced loads, so all of them partition at the same step."""
+        limit = self.cfg.dist.rebalance_above
+        if not limit or self.world == 1:
+            return
+        ratio = load_imbalance(self.loads)
+        if ratio > limit:
+            self.log(f"gstrain: step {step}: the busiest rank sent {ratio:.2f}x the mean records; partitioning again")
+            self.repartition()
+            self.record.rebalanced_at.append(step)
 
     def _fit(self, resume: bool, state: dict[str, Any] | None) -> FitResult:
         cfg, lead = self.cfg, self.rank == 0
@@ -273,6 +294,8 @@ class DistTrainer(Trainer):
                 if bad:
                     status = "nan"
                     break
+                if not stop and step < end:
+                    self._rebalance_if_uneven(step)
                 if image is not None:
                     last_psnr = float(psnr(image, gt))
                 bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}", gaussians=count)

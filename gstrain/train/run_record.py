@@ -45,6 +45,7 @@ class RunRecord:
     # bytes this rank sent to / received from other ranks over this process's steps (sharded runs)
     comm_sent: int = 0
     comm_received: int = 0
+    rebalanced_at: list[int] = field(default_factory=list)  # steps a sharded run partitioned again at
 
     def add_window(self, phase_ms: dict[str, float], host_ms: dict[str, float], steps: int) -> None:
         """Per-step means of one timing window of `steps` steps."""
@@ -100,6 +101,8 @@ def write_run_record(
             round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
         ),
     }  # fmt: skip
+    if record.rebalanced_at:
+        summary["rebalanced_at"] = list(record.rebalanced_at)
     if record.comm_sent or record.comm_received:  # the writing rank's own exchange, per step
         steps = max(result.step - record.first_step, 1)
         summary["comm_bytes_per_step"] = {"sent": round(record.comm_sent / steps),
