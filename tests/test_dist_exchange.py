@@ -90,3 +90,41 @@ def test_single_process_is_identity() -> None:
     assert torch.equal(half, x.detach().half().float())
     with pytest.raises(ValueError, match="compress"):
         exchange(x, [5], compress="int8")
+
+
+SIZES = [5, 0, 9]  # rows each rank holds before the migration (one holds none)
+
+
+def _state(rows: torch.Tensor) -> dict:
+    """A trainer-shaped state whose row-aligned tensors hold their global row id, and scalars."""
+    ids = rows.double()
+    return {"step": 7, "params": {"means": ids[:, None].repeat(1, 3), "opacities": ids},
+            "optimizers": {"means": {"param_groups": [{"lr": 1.0}],
+                                     "state": {0: {"step": torch.tensor(3.0), "exp_avg": -ids[:, None].repeat(1, 3)}}}},
+            "strategy": {"grad2d": ids * 10, "count": None}}  # fmt: skip
+
+
+def _migrate(rank: int, world: int) -> dict:
+    from gstrain.dist.migrate import move_rows
+
+    order = torch.randperm(sum(SIZES), generator=torch.Generator().manual_seed(1))  # every rank: same plan
+    rows = [6, 2, 6]
+    offset = sum(SIZES[:rank])
+    state = _state(torch.arange(offset, offset + SIZES[rank]))
+    return move_rows(state, order, rows, SIZES, rank, torch.device("cpu"))
+
+
+def test_migration_moves_rows_with_their_state() -> None:
+    """Each rank ends with the rows the plan gives it, in the plan's order, each row carrying
+    its own Adam moments and statistics; the scalars stay."""
+    order = torch.randperm(sum(SIZES), generator=torch.Generator().manual_seed(1))
+    results = run_local(_migrate, 3, timeout=60)
+    start = 0
+    for rank, (state, n) in enumerate(zip(results, [6, 2, 6], strict=True)):
+        want = order[start : start + n].double()
+        start += n
+        assert torch.equal(state["params"]["opacities"], want), rank
+        assert torch.equal(state["params"]["means"], want[:, None].repeat(1, 3))
+        assert torch.equal(state["optimizers"]["means"]["state"][0]["exp_avg"], -want[:, None].repeat(1, 3))
+        assert torch.equal(state["strategy"]["grad2d"], want * 10)
+        assert state["step"] == 7 and float(state["optimizers"]["means"]["state"][0]["step"]) == 3.0

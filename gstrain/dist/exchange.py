@@ -12,7 +12,9 @@ uneven split already needs them on the host, so counting costs no further sync.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from torch import Tensor
 
 from gstrain.dist.layout import COUNT_DTYPE, wire_dtype
 
-__all__ = ["CommCounter", "CommRecord", "exchange", "exchange_counts", "rank_and_world"]
+__all__ = ["CommCounter", "CommRecord", "exchange", "exchange_counts", "exchange_objects", "rank_and_world"]
 
 
 @dataclass
@@ -152,3 +154,23 @@ def exchange(
         return payload, meta, list(recv_splits)
     out, out_meta = _Exchange.apply(payload, meta, list(send_splits), list(recv_splits), compress, counter, group)
     return out, out_meta, list(recv_splits)
+
+
+def exchange_objects(objs: list[Any], device: torch.device, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Send objs[r] to rank r (torch.save'd bytes, one uneven all_to_all_single on `device`);
+    returns what every rank sent this one, by source rank. Collective."""
+    blobs = []
+    for obj in objs:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        blobs.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    world = len(objs)
+    sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=device)
+    got = exchange_counts(sizes, [1] * world, [1] * world, group=group).tolist()
+    payload = torch.cat(blobs).to(device)
+    received = _all_to_all_rows(payload, [len(b) for b in blobs], got, group).cpu()
+    out, at = [], 0
+    for n in got:
+        out.append(torch.load(io.BytesIO(received[at : at + n].numpy().tobytes()), weights_only=False))
+        at += n
+    return out

@@ -5,12 +5,14 @@ Set-up: every rank builds the initial model from the same seed and takes rank 0'
 profiles which training views touch which Gaussians, partitions them (dist.partition), counts
 how much of each view each rank owns, and reorders the model so that the shards are contiguous
 in rank order (the global row order of checkpoints). Each step's views go to the ranks owning
-most of what they see, floor(B/W) or ceil(B/W) views per rank (assign_homes on the batch). The step: the global batch of train.batch_size views is the
+most of what they see, floor(B/W) or ceil(B/W) views per rank (assign_homes on the batch).
+The step: the global batch of train.batch_size views is the
 sequence one process with that batch size draws (one sampler, same seed on every rank); each
 renderer divides its views' losses by B, so the summed gradient is that of the mean loss; each
 owner steps Adam on its rows and densifies with the statistics its Gaussians received (children
 stay with their parent's owner). W ranks with batch B equal one process with batch B, to float
-tolerance (sums run in another order).
+tolerance (sums run in another order). Partitioning again during training moves only the
+Gaussians whose owner changes (migrate.py).
 """
 
 from __future__ import annotations
@@ -31,15 +33,8 @@ from gstrain.data.scene import Scene
 from gstrain.dist.checkpoint import save_sharded
 from gstrain.dist.exchange import CommCounter
 from gstrain.dist.launch import collective_errors
-from gstrain.dist.partition import (
-    access_profile,
-    assign_homes,
-    load_imbalance,
-    make_partition,
-    morton_codes,
-    shard_indices,
-    view_owner_counts,
-)  # fmt: skip
+from gstrain.dist.migrate import move_rows, owners_of, plan_order
+from gstrain.dist.partition import AccessProfile, access_profile, assign_homes, load_imbalance, view_owner_counts
 from gstrain.dist.sharded_render import ViewBatch, render_sharded
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
@@ -47,7 +42,7 @@ from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, t
 from gstrain.train.masking import masked_loss
 from gstrain.train.optim import current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
-from gstrain.train.shards import SOURCE_KEY, merge_shards, read_manifest, select_rows, shard_file
+from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows, shard_file
 from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
 
 __all__ = ["DistTrainer"]
@@ -99,25 +94,26 @@ class DistTrainer(Trainer):
         # partitioned when fit starts, unless a checkpoint brings its shards (no profile wasted)
 
     # ----------------------------------------------------------------- partition
-    def _plan(self) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """(global order of the rows, rows per rank, [V, W] view-owner counts): rank 0 only."""
+    def _profile(self) -> AccessProfile:
+        """Which training views touch this rank's Gaussians (projected on the training device, one
+        pass per view; the profile itself on the host)."""
         p = {k: v.detach() for k, v in self.params.items()}
-        n = len(p["means"])
-        kind = self.cfg.dist.partition
-        base = torch.arange(n)
-        if kind == "locality" and self.world > 1:  # Morton order: locality shards become contiguous
-            base = torch.argsort(morton_codes(p["means"].cpu()), stable=True)
-        views, on = self.scene.train, base.to(self.device)
-        # projected on the training device (one pass per view), the profile itself on the host
-        prof = access_profile(p["means"][on], p["quats"][on], torch.exp(p["scales"][on]),
-                              torch.stack([c[0] for c in self.train_cams]), torch.stack([c[1] for c in self.train_cams]),
+        views = self.scene.train
+        viewmats = torch.stack([c[0] for c in self.train_cams])
+        Ks = torch.stack([c[1] for c in self.train_cams])
+        prof = access_profile(p["means"], p["quats"], torch.exp(p["scales"]), viewmats, Ks,
                               [v.width for v in views], [v.height for v in views])  # fmt: skip
         prof.ids = prof.ids.cpu()
-        owner = make_partition(kind, p["means"][on].cpu(), prof.access_counts(), self.world, self.cfg.train.seed,
-                               self.cfg.dist.count_weight)  # fmt: skip
-        counts = view_owner_counts(prof, owner, self.world)
-        shards = shard_indices(owner, self.world)
-        return base[torch.cat(shards)], [len(s) for s in shards], counts
+        return prof
+
+    def _plan(self) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """(global order of the rows, rows per rank, [V, W] view-owner counts) of the model this
+        rank holds whole (rank 0, at the start or a resume at another world size)."""
+        prof = self._profile()
+        cfg = self.cfg
+        order, rows = plan_order(cfg.dist.partition, self.params["means"].detach().cpu(), prof.access_counts(),
+                                 self.world, cfg.train.seed, cfg.dist.count_weight)  # fmt: skip
+        return order, rows, view_owner_counts(prof, owners_of(order, rows), self.world)
 
     def _distribute(self, compose: bool = False) -> None:
         """Every rank holds the whole model: rank 0 plans, each rank keeps its rows."""
@@ -132,15 +128,28 @@ class DistTrainer(Trainer):
                  f"Gaussians per rank {rows}")  # fmt: skip
 
     def repartition(self) -> None:
-        """Partition again (dist.reprofile_every): every rank gathers the whole state (Gaussians,
-        Adam moments, statistics), rank 0 profiles and partitions it anew, each keeps its rows.
+        """Partition again (dist.reprofile_every, dist.rebalance_above): each rank profiles its
+        own Gaussians, all share means and loads and plan alike, and only the Gaussians whose
+        owner changes move, with their Adam moments and statistics (gstrain/dist/migrate.py).
         Each rank keeps its own random state. Collective."""
-        states: list[Any] = [None] * self.world
-        dist.all_gather_object(states, to_host(self.state_dict()))
         own_rng = _rng_state()
-        self.load_state_dict(merge_shards(states))
-        self._distribute(compose=True)
+        prof = self._profile()
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, (self.params["means"].detach().cpu(), prof.access_counts()))
+        sizes = [len(m) for m, _ in parts]
+        cfg = self.cfg
+        order, rows = plan_order(cfg.dist.partition, torch.cat([m for m, _ in parts]),
+                                 torch.cat([load for _, load in parts]), self.world, cfg.train.seed,
+                                 cfg.dist.count_weight)  # fmt: skip
+        offset = sum(sizes[: self.rank])
+        mine = owners_of(order, rows)[offset : offset + sizes[self.rank]]
+        counts = view_owner_counts(prof, mine, self.world).to(self.device)  # my rows' share, summed
+        dist.all_reduce(counts)
+        self.view_counts = counts.cpu()
+        self.load_state_dict(move_rows(to_host(self.state_dict()), order, rows, sizes, self.rank, self.device))
         _set_rng_state(own_rng)
+        self.row_order = self.row_order[order]  # composed: it maps to the first partition's input
+        self.log(f"gstrain: step {self.step}: partitioned again; Gaussians per rank {rows}")
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
