@@ -119,6 +119,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
         from gstrain.viewer.live import LiveViewer
 
         live = LiveViewer(cfg, loaded, log=log)
+    trainer = None
     try:  # from the first write on, whatever stops the run says what the folder kept
         if plan is not None:  # rank 0 writes; its error is every rank's
             on_rank_zero(lambda: commit_resume(run_dir, plan, log))
@@ -133,6 +134,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
         trainer.viewer = live
         result = trainer.fit(resume=req.resume, state=plan.state if plan is not None else None)
     except KeyboardInterrupt:
+        _finish_checkpoint(trainer)
         if is_run_dir(run_dir):
             log("gstrain: stopped at once (a second interrupt, or one before training began)")
             log(kept_line(run_dir, scene))
@@ -146,6 +148,19 @@ def run_fit(req: FitRequest, log: Log) -> int:
             live.close()
         finish_process_group()
     return _report(result, cfg, scene, run_dir, log)
+
+
+def _finish_checkpoint(trainer: Any) -> None:
+    """A checkpoint the writer thread is still writing goes on to disk before the process ends:
+    the interpreter's exit would otherwise stop that thread inside torch.save (a native abort),
+    and the folder would keep one checkpoint less than it says."""
+    writer = getattr(trainer, "checkpoints", None)
+    if writer is None:
+        return
+    try:
+        writer.wait()
+    except Exception:  # noqa: BLE001 - a failed write: the kept line names what is on disk
+        pass
 
 
 def _report(result: Any, cfg: Any, scene: Path, run_dir: Path, log: Log) -> int:

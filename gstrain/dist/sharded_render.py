@@ -180,7 +180,6 @@ def render_sharded(
     n_batch = len(batch)
     on_gpu = backend in _CUDA_BACKENDS
     means = shard["means"]
-    sh = _colors_sh(shard, sh_degree)
     scales = torch.exp(shard["scales"])
     opac_all = torch.sigmoid(shard["opacities"])
 
@@ -188,6 +187,7 @@ def render_sharded(
     means2d, radii, conics, depths = _project(shard, batch, scales, on_gpu)
     if world == 1 and on_gpu and n_batch:
         return _render_alone(shard, batch, sh_degree, (means2d, radii, conics, depths), opac_all, background, options)
+    sh = _colors_sh(shard, sh_degree)
     send_order = sorted(range(n_batch), key=lambda i: (int(batch.homes[i]), i))
     # a pageable host tensor copied without non_blocking would wait for the GPU's queue
     order_t = torch.tensor(send_order, dtype=torch.int64).to(means.device, non_blocking=True)

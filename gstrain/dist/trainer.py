@@ -202,6 +202,8 @@ class DistTrainer(Trainer):
     def homes_of(self, idx: list[int]) -> list[int]:
         """The renderer rank of each batch view: the rank owning most of what it sees, with
         floor(B/W) or ceil(B/W) views per rank (the same on every rank: a function of the batch)."""
+        if self.world == 1:
+            return [0] * len(idx)
         return assign_homes(self.view_counts.index_select(0, torch.tensor(idx))).tolist()
 
     def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any, Any]:

@@ -88,11 +88,17 @@ class CheckpointWriter:
         self.keep = keep
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # set when the write in flight has ended: waiting on it survives a Ctrl-C, where an
+        # interrupted Thread.join (CPython 3.11) may leave the thread looking finished to the
+        # interpreter's exit, which then stops it inside torch.save (a native abort)
+        self._done = threading.Event()
+        self._done.set()
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         self.wait()
         snapshot = to_host(state)
         path = checkpoint_path(self.run_dir, step)
+        self._done.clear()
         self._thread = threading.Thread(target=self._write, args=(step, snapshot), name="gstrain-ckpt", daemon=False)
         self._thread.start()
         return path
@@ -102,10 +108,13 @@ class CheckpointWriter:
             save_checkpoint(self.run_dir, step, snapshot, keep=self.keep)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = exc
+        finally:
+            self._done.set()
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; raise its error if it failed."""
         if self._thread is not None:
+            self._done.wait()
             self._thread.join()
             self._thread = None
         if self._error is not None:
