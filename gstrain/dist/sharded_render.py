@@ -28,12 +28,10 @@ from torch import Tensor
 
 from gstrain.dist.exchange import CommCounter, exchange, exchange_counts, rank_and_world
 from gstrain.dist.layout import META_DTYPE, N_DIFF
+from gstrain.render import CUDA_BACKENDS
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, strategy_info
 from gstrain.render.reference import camera_centre, project_gaussians, rasterize
 from gstrain.render.sh import num_sh_bases, sh_to_color
-
-# backends whose owners project with gsplat and whose renderers rasterize with CUDA kernels
-_CUDA_BACKENDS = ("cuda", "gsplat")
 
 __all__ = ["ShardedRender", "ViewBatch", "render_sharded"]
 
@@ -117,7 +115,7 @@ def _rasterize_view(rec: Tensor, meta: Tensor, width: int, height: int, backgrou
     depth = meta[:, 0].contiguous().view(torch.float32).to(rec.dtype)
     means2d, conics, opac, colors = rec[:, 0:2], rec[:, 2:5], rec[:, 5], rec[:, 6:9]
     radii = meta[:, 1:3]
-    if backend not in _CUDA_BACKENDS:
+    if backend not in CUDA_BACKENDS:
         return rasterize(means2d, conics, colors, opac, radii, depth, width, height, background)
     from gstrain.render.cuda import intersect_splats, rasterize_splats
 
@@ -178,7 +176,7 @@ def render_sharded(
     """
     rank, world = rank_and_world(group)
     n_batch = len(batch)
-    on_gpu = backend in _CUDA_BACKENDS
+    on_gpu = backend in CUDA_BACKENDS
     means = shard["means"]
     scales = torch.exp(shard["scales"])
     opac_all = torch.sigmoid(shard["opacities"])

@@ -115,13 +115,12 @@ class DistTrainer(Trainer):
                                  self.world, cfg.train.seed, cfg.dist.count_weight)  # fmt: skip
         return order, rows, view_owner_counts(prof, owners_of(order, rows), self.world)
 
-    def _distribute(self, compose: bool = False) -> None:
+    def _distribute(self) -> None:
         """Every rank holds the whole model: rank 0 plans, each rank keeps its rows."""
         plan: list[Any] = [self._plan() if self.rank == 0 else None]
         dist.broadcast_object_list(plan, src=0)
         order, rows, self.view_counts = plan[0]
-        # composed over re-partitions, so that it maps to the first partition's input
-        self.row_order = self.row_order[order] if compose else order
+        self.row_order = order
         start = sum(rows[: self.rank])
         self.load_state_dict(select_rows(self.state_dict(), order[start : start + rows[self.rank]]))
         self.log(f"gstrain: {self.world} ranks, dist.partition={self.cfg.dist.partition}: "
