@@ -219,15 +219,19 @@ class DistTrainer(Trainer):
             out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress,
                                  counter=self.comm, backend=self.renderer.backend, options=self.renderer.options)
         self.strategy.step_pre_backward(self.params, self.optimizers, step, out.owner_info)
-        loss, terms, gts = out.zero_term, {}, []
+        # one rank exchanged nothing (no zero term to tie in); one view has no mean to take
+        loss, terms, gts = (out.zero_term if self.world > 1 else None), {}, []
         with self.timer.phase("loss"):
             for j, i in enumerate(out.views):
                 gts.append(self.train_images[idx[i]].float() / 255.0)
                 part, parts = masked_loss(self.runner.loss_fn, out.images[j], gts[-1], cfg.train.ssim_lambda,
                                           self.train_masks[idx[i]], cfg.data.mask_mode, self.background)  # fmt: skip
-                loss = loss + part / b
+                share = part / b if b > 1 else part
+                loss = share if loss is None else loss + share
                 for k, t in parts.items():
-                    terms[k] = terms.get(k, 0) + t.detach() / b
+                    t = t.detach() / b if b > 1 else t.detach()
+                    terms[k] = terms[k] + t if k in terms else t
+        loss = out.zero_term if loss is None else loss
         self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
         self._records += out.owner_records
         sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
