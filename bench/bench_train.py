@@ -9,6 +9,7 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
              Adam, sync-free densification statistics), checkpoints every 1000 steps
   gsplat-raster, conv-ssim, torch-adam, gsplat-stats   gstrain with that one feature off
   sparse-adam   gstrain plus Adam over the visible Gaussians only
+  ellipse-cull  gstrain plus render.ellipse_cull (the culled tile intersection)
 
     python -m bench.bench_train SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
     python -m bench.bench_train --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2]
@@ -55,6 +56,7 @@ PIPELINES = {
     "torch-adam": ["--set", "optim.fused_adam=false"],
     "gsplat-stats": ["--set", "strategy.fast_stats=false"],
     "sparse-adam": ["--set", "optim.sparse_adam=true"],
+    "ellipse-cull": ["--set", "render.ellipse_cull=true"],
 }
 
 # Every pipeline scores all training views after its loop (outside the timed part): a view the

@@ -51,6 +51,7 @@ TABLE_ROWS = (
     ("optimizer", "optimizer"),
     ("densification", "densify"),
     ("step total (GPU events)", "total"),
+    ("tile pairs per view (thousands)", "pairs_k"),
     ("host time", "host"),
     ("step wall clock", "wall"),
     ("peak memory (GiB)", "peak_gib"),
@@ -162,13 +163,15 @@ class WorkloadSteps:
         self.tuner = renderer.tuner
         self.background = torch.zeros(3, device=self.device)
         self.step = 0
+        self.pairs: tuple[int, int, int] | None = None  # the last step's (StepResult.pairs)
 
     def __call__(self) -> None:
         """One training step on the next view."""
         work, i = self.work, self.step
         viewmat, K, _, _ = work.cameras[i % len(work.cameras)]
-        self.runner.run(self.params, self.optimizers, i, viewmat, K, work.targets[i % len(work.targets)],
-                        work.sh_degree, self.background)  # fmt: skip
+        result = self.runner.run(self.params, self.optimizers, i, viewmat, K, work.targets[i % len(work.targets)],
+                                 work.sh_degree, self.background)  # fmt: skip
+        self.pairs = result.pairs
         self.step += 1
 
 
@@ -201,13 +204,17 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
         n = min(window, iters - measured)
         _sync(device)
         t0 = time.perf_counter()
+        pairs = 0
         for _ in range(n):
             one_step()
+            pairs += one_step.pairs[1] if one_step.pairs else 0
         phases = timer.summary()  # waits for the window's GPU work
         phases["wall"] = (time.perf_counter() - t0) * 1e3 / n
         phases["host"] = sum(timer.last_host_ms.get(k, 0.0) for k in STEP_PHASES)
         phases["backward_rest"] = phases["backward"] - phases.get("raster_bwd", 0.0)
         phases["total"] = sum(phases.get(k, 0.0) for k in STEP_PHASES)
+        if one_step.pairs:  # after render.ellipse_cull: what both raster passes walk
+            phases["pairs_k"] = pairs / n / 1e3
         for key, value in phases.items():
             samples.setdefault(key, []).append(value)
         measured += n

@@ -128,18 +128,26 @@ _TRAIN = {"train": {"steps": 12, "device": "cuda", "seed": 5, "batch_size": 2},
           "log": {"progress_every": 4, "tb_every": 100_000, "eval_steps": [], "save_steps": [], "ckpt_every": 0}}
 
 
-def _fit(rank: int, world: int, scene: str, run: str) -> dict:
+# partitioned again at step 6 (dist.reprofile_every) and at the agreements before the end (steps 4
+# and 8) where one owner's load exceeded the mean: rows move between the ranks on the GPU with
+# their Adam moments and statistics
+_MOVED = {"dist": {"backend": "gloo", "reprofile_every": 6, "rebalance_above": 1.0, "count_weight": 0.9}}
+
+
+def _fit(rank: int, world: int, scene: str, run: str, extra: dict) -> dict:
     from gstrain.config import build_config
     from gstrain.data.colmap import load_scene
     from gstrain.dist.trainer import DistTrainer
 
-    cfg = build_config(None, [_TRAIN])
+    cfg = build_config(None, [_TRAIN, extra])
     trainer = DistTrainer(cfg, load_scene(Path(scene), factor=1), Path(run), torch.device("cuda"), log=lambda m: None)
     assert trainer.fit().status == "done"
-    return {"order": trainer.row_order, "params": {k: v.detach().cpu() for k, v in trainer.params.items()}}
+    return {"order": trainer.row_order, "params": {k: v.detach().cpu() for k, v in trainer.params.items()},
+            "rebalanced_at": trainer.record.rebalanced_at}
 
 
-def test_two_ranks_on_one_gpu_train_as_one_process_with_batch_two(demo_scene, tmp_path) -> None:
+@pytest.mark.parametrize("extra", [{}, _MOVED], ids=["fixed", "rebalanced"])
+def test_two_ranks_on_one_gpu_train_as_one_process_with_batch_two(demo_scene, tmp_path, extra) -> None:
     from gstrain.config import build_config
     from gstrain.data.colmap import load_scene
     from gstrain.train.trainer import Trainer
@@ -151,7 +159,9 @@ def test_two_ranks_on_one_gpu_train_as_one_process_with_batch_two(demo_scene, tm
     assert plain.fit().status == "done"
     expected = {k: v.detach().cpu() for k, v in plain.params.items()}
     (tmp_path / "dist").mkdir()
-    runs = run_local(_fit, 2, str(demo_scene), str(tmp_path / "dist"), timeout=300)
+    runs = run_local(_fit, 2, str(demo_scene), str(tmp_path / "dist"), extra, timeout=300)
+    rebalanced = runs[0]["rebalanced_at"]
+    assert (bool(rebalanced) and set(rebalanced) <= {4, 8}) if extra else rebalanced == []
     order = runs[0]["order"]
     for k in expected:
         whole = torch.cat([r["params"][k] for r in runs])

@@ -72,6 +72,11 @@ class _Signals:
             signal.signal(sig, previous)
 
 
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack, but one tensor becomes a view (no copy launched for a batch of one)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
+
+
 class DistTrainer(Trainer):
     """Trainer on one rank of an initialised process group (torchrun or dist.local.run_local)."""
 
@@ -184,6 +189,9 @@ class DistTrainer(Trainer):
     @contextmanager
     def _whole_model(self):
         """Rank 0 holds every rank's Gaussians (in the global order) inside the block."""
+        if self.world == 1:  # its shard is the whole model: no copy through the host
+            yield True
+            return
         mine = {k: v.detach().cpu() for k, v in self.params.items()}
         parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
@@ -212,9 +220,9 @@ class DistTrainer(Trainer):
         with self.timer.phase("data"):
             idx = [self.sampler.next() for _ in range(b)]
             views = [self.scene.train[i] for i in idx]
-            batch = ViewBatch(torch.stack([self.train_cams[i][0] for i in idx]),
-                              torch.stack([self.train_cams[i][1] for i in idx]), [v.width for v in views],
-                              [v.height for v in views], self.homes_of(idx))  # fmt: skip
+            cams = [self.train_cams[i] for i in idx]
+            batch = ViewBatch(_stacked([c[0] for c in cams]), _stacked([c[1] for c in cams]),
+                              [v.width for v in views], [v.height for v in views], self.homes_of(idx))  # fmt: skip
         with self.timer.phase("forward"):
             out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress,
                                  counter=self.comm, backend=self.renderer.backend, options=self.renderer.options)

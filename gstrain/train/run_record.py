@@ -46,6 +46,16 @@ class RunRecord:
     comm_sent: int = 0
     comm_received: int = 0
     rebalanced_at: list[int] = field(default_factory=list)  # steps a sharded run partitioned again at
+    # tile-intersection pairs summed over the rendered training views (our CUDA render reports them)
+    pairs_before: int = 0
+    pairs_after: int = 0  # after render.ellipse_cull (equal to pairs_before without it)
+    pairs_views: int = 0
+
+    def add_pairs(self, pairs: tuple[int, int, int] | None) -> None:
+        if pairs is not None:
+            self.pairs_before += pairs[0]
+            self.pairs_after += pairs[1]
+            self.pairs_views += pairs[2]
 
     def add_window(self, phase_ms: dict[str, float], host_ms: dict[str, float], steps: int) -> None:
         """Per-step means of one timing window of `steps` steps."""
@@ -101,6 +111,9 @@ def write_run_record(
             round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
         ),
     }  # fmt: skip
+    if record.pairs_views:  # per rendered training view, mean over the run
+        summary["isect_pairs_per_view"] = {"before_cull": round(record.pairs_before / record.pairs_views),
+                                           "after_cull": round(record.pairs_after / record.pairs_views)}
     if record.rebalanced_at:
         summary["rebalanced_at"] = list(record.rebalanced_at)
     if record.comm_sent or record.comm_received:  # the writing rank's own exchange, per step

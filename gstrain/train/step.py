@@ -33,6 +33,9 @@ class StepResult:
     terms: dict[str, Tensor]  # detached loss terms
     image: Tensor  # the render [H, W, 3], detached
     changed: bool  # densification may have changed the set of Gaussians
+    # (Gaussian, tile) pairs from the intersection, after render.ellipse_cull, and views: host ints
+    # that our CUDA render reports (None on other backends)
+    pairs: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -50,6 +53,14 @@ def _grads_of(tensors: list[Tensor], attr: str) -> Tensor | None:
     if all(g is None for g in grads):
         return None
     return torch.cat([torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)])
+
+
+def _pairs(infos: list[dict[str, Any]]) -> tuple[int, int, int] | None:
+    """(pairs before the cull, after it, views) summed over a step's renders, when reported."""
+    found = [i["isect_pairs"] for i in infos if "isect_pairs" in i]
+    if not found:
+        return None
+    return sum(p[0] for p in found), sum(p[1] for p in found), len(found)
 
 
 def merge_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,7 +123,8 @@ class StepRunner:
             if reg is not None:
                 loss = loss + reg
         changed = self.finish(params, optimizers, step, loss, lambda: info, scheduler)
-        return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed)
+        return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed,
+                          _pairs([info]))  # fmt: skip
 
     def run_batch(
         self,
@@ -148,7 +160,7 @@ class StepRunner:
             loss = loss + reg
         changed = self.finish(params, optimizers, step, loss, lambda: merge_infos(infos), scheduler)
         terms_mean = {k: t / len(views) for k, t in terms_sum.items()}
-        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed)
+        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, _pairs(infos))
 
     def finish(self, params: torch.nn.ParameterDict, optimizers: dict[str, torch.optim.Optimizer], step: int,
                loss: Tensor, info_fn: Any, scheduler: Any = None) -> bool:  # fmt: skip

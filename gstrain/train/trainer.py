@@ -281,6 +281,7 @@ class Trainer:
                 self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
                 scheduler=self.scheduler, mask=self.train_masks[idx],
             )
+        self.record.add_pairs(result.pairs)
         if result.changed:  # the count is known on the host: no sync
             self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
         return result.loss, result.terms, result.image, gt
