@@ -7,9 +7,9 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
              and gsplat's main do it; both pipelines), checkpoints only at the end
   gstrain    `gstrain fit` defaults, every speed feature on (ARC rasterizer, fused SSIM, one-launch
              Adam, sync-free densification statistics), checkpoints every 1000 steps
-  gsplat-raster, conv-ssim, torch-adam, gsplat-stats   gstrain with that one feature off
+  gsplat-raster, conv-ssim, torch-adam, gsplat-stats, no-cull   gstrain with that one feature off
   sparse-adam   gstrain plus Adam over the visible Gaussians only
-  ellipse-cull  gstrain plus render.ellipse_cull (the culled tile intersection)
+  no-cull       gstrain without render.ellipse_cull (the culled tile intersection; on by default)
 
     python -m bench.bench_train SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
     python -m bench.bench_train --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2]
@@ -46,7 +46,7 @@ from bench.builds import build_all
 
 # Every speed switch off, and checkpoints only at the end as gsplat's example trainer does.
 BASELINE = ["--backend", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
-            "--set", "strategy.fast_stats=false", "--set", "log.ckpt_every=0"]
+            "--set", "strategy.fast_stats=false", "--set", "render.ellipse_cull=false", "--set", "log.ckpt_every=0"]
 PIPELINES = {
     "baseline": BASELINE,
     "gstrain": ["--atomic-mode", "arc"],  # the defaults: every switch on, checkpoints every 1000 steps
@@ -56,7 +56,7 @@ PIPELINES = {
     "torch-adam": ["--set", "optim.fused_adam=false"],
     "gsplat-stats": ["--set", "strategy.fast_stats=false"],
     "sparse-adam": ["--set", "optim.sparse_adam=true"],
-    "ellipse-cull": ["--set", "render.ellipse_cull=true"],
+    "no-cull": ["--set", "render.ellipse_cull=false"],
 }
 
 # Every pipeline scores all training views after its loop (outside the timed part): a view the

@@ -104,10 +104,10 @@ class RenderConfig:
     backend: str = "auto"  # auto: our CUDA kernels on a GPU, the PyTorch reference on the CPU
     atomic_mode: str = "arc"  # our CUDA backward's reduction: atomic | warp | distwar | arc
     atomic_threshold: int = 8  # distwar's T (arc tunes its own)
-    # opt-in speed switch (CUDA backends): drop (Gaussian, tile) pairs whose alpha is provably
-    # < 1/255 on the whole tile, inside our intersection kernel (gstrain/render/isect.py, test in
-    # cull.py); images and gradients stay the same
-    ellipse_cull: bool = False
+    # speed switch (our CUDA backend): drop (Gaussian, tile) pairs whose alpha is provably < 1/255
+    # on the whole tile, inside our intersection kernel (gstrain/render/isect.py, test in cull.py);
+    # images and gradients stay the same. render.backend=gsplat keeps gsplat's own intersection
+    ellipse_cull: bool = True
 
 
 @dataclass

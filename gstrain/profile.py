@@ -36,10 +36,11 @@ SWITCHES = {
     "conv SSIM": ("train", "fused_ssim", False),
     "torch Adam": ("optim", "fused_adam", False),
     "gsplat stats": ("strategy", "fast_stats", False),
+    "no ellipse cull": ("render", "ellipse_cull", False),
 }
 # Opt-in switches (off by default): profiled turned on over the configuration as given; off in the baseline.
 OPT_IN = {
-    "+ ellipse cull": ("render", "ellipse_cull", True),
+    "+ sparse Adam": ("optim", "sparse_adam", True),
 }
 # (label, phase key) rows of the table; backward_rest and total are derived.
 TABLE_ROWS = (

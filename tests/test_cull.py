@@ -226,15 +226,15 @@ def test_min_sigma_on_rect_is_a_tight_lower_bound() -> None:
     assert (grid - got <= 0.02 * (1 + grid)).all(), float((grid - got).max())
 
 
-def test_the_switch_is_off_by_default_and_reaches_the_renderer() -> None:
+def test_the_switch_is_on_by_default_and_reaches_the_renderer() -> None:
     from gstrain.config import build_config
     from gstrain.errors import UserError
     from gstrain.render import Renderer
 
-    assert build_config().render.ellipse_cull is False
-    cfg = build_config(overrides=[{"render": {"ellipse_cull": True}}])
-    assert Renderer(cfg.render, torch.device("cpu")).options.ellipse_cull is True
-    assert Renderer(build_config().render, torch.device("cpu")).options.ellipse_cull is False
+    assert build_config().render.ellipse_cull is True
+    cfg = build_config(overrides=[{"render": {"ellipse_cull": False}}])
+    assert Renderer(cfg.render, torch.device("cpu")).options.ellipse_cull is False
+    assert Renderer(build_config().render, torch.device("cpu")).options.ellipse_cull is True
     with pytest.raises(UserError, match="render.ellipse_cull"):
         build_config(overrides=[{"render": {"ellipse_cull": "yes"}}])
 

@@ -63,18 +63,19 @@ def test_table_has_speedups_against_both_baselines():
 def test_switch_variants_turn_off_one_switch_each_and_all_for_the_baseline():
     cfg = Config()
     variants = switch_variants(cfg)
-    assert list(variants) == ["all on", *SWITCHES, "+ ellipse cull", "baseline"]
-    assert variants["+ ellipse cull"].render.ellipse_cull is True and variants["all on"].render.ellipse_cull is False
+    assert list(variants) == ["all on", *SWITCHES, "+ sparse Adam", "baseline"]
+    assert variants["+ sparse Adam"].optim.sparse_adam is True and variants["all on"].optim.sparse_adam is False
+    assert variants["no ellipse cull"].render.ellipse_cull is False and variants["all on"].render.ellipse_cull
     assert variants["all on"].render.atomic_mode == "arc" and variants["all on"].optim.fused_adam
     assert variants["torch Adam"].optim.fused_adam is False and variants["torch Adam"].train.fused_ssim
     assert variants["gsplat raster"].render.backend == "gsplat"
     base = variants["baseline"]
-    assert base.render.ellipse_cull is False
+    assert base.render.ellipse_cull is False and base.optim.sparse_adam is False
     # a configuration that has the opt-in switch on already profiles no extra column for it
     cfg_on = Config()
-    cfg_on.render.ellipse_cull = True
+    cfg_on.optim.sparse_adam = True
     on = switch_variants(cfg_on)
-    assert "+ ellipse cull" not in on and on["baseline"].render.ellipse_cull is False
+    assert "+ sparse Adam" not in on and on["baseline"].optim.sparse_adam is False
     assert (base.render.backend, base.train.fused_ssim, base.optim.fused_adam, base.strategy.fast_stats) == (
         "gsplat", False, False, False)
     assert cfg.optim.fused_adam  # the input is not modified

@@ -50,9 +50,10 @@ class Renderer:
             ensure_built()
             if cfg.atomic_mode == "arc":  # one tuner per renderer: its own scene, sizes and population
                 self.tuner = ArcTuner()
+        # backend gsplat is gsplat's own pipeline (the comparisons' baseline): its intersection too
         self.options = RasterOptions(
             absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
-            tuner=self.tuner, gsplat_raster=backend == "gsplat", ellipse_cull=cfg.ellipse_cull,
+            tuner=self.tuner, gsplat_raster=backend == "gsplat", ellipse_cull=cfg.ellipse_cull and backend != "gsplat",
         )  # fmt: skip
 
     def __call__(
