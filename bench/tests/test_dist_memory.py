@@ -69,3 +69,26 @@ def test_subsample_scales_match_the_exact_knn(demo_scene):
     assert torch.equal(exact["scales"], ref)
     ratio = float(approx["scales"].exp().median() / ref.exp().median())
     assert 0.85 < ratio < 1.15, ratio
+
+
+def test_dist_overhead_pairs_both_trainers_on_the_same_work(demo_scene, tmp_path):
+    # a subprocess: the bench sets torchrun's variables and a process group for itself
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "bench.dist_overhead", str(demo_scene), "--steps", "20", "--block", "10",
+           "--set", "train.device=cpu", "--set", "strategy.refine_start=5", "--set", "strategy.refine_every=5",
+           "--set", "strategy.grow_grad2d=0.00005"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    init = int(proc.stdout.split("Gaussians per rank [")[1].split("]")[0])
+    result = json.loads((tmp_path / "dist_overhead.json").read_text())
+    assert result["process_group"] == "gloo" and len(result["blocks_s"]) == 2
+    assert result["plain_ms_per_step"] > 0 and result["w1_ms_per_step"] > 0
+    # the same steps from the same start (the whole model in another row order), densifying: the
+    # same count, and not the start's
+    counts = result["gaussians_end"]
+    assert counts["plain"] == counts["w1"] != init
