@@ -641,7 +641,9 @@ def test_renderer_picks_backend_and_carries_one_options_object():
     cpu = torch.device("cpu")
     renderer = Renderer(RenderConfig(atomic_mode="distwar", atomic_threshold=5), cpu, absgrad=True)
     assert renderer.backend == "reference" and renderer.atomic_threshold is None
-    assert renderer.options == RasterOptions(absgrad=True, atomic_mode="distwar", atomic_threshold=5)
+    # the config's ellipse cull (on by default) reaches the options; only the gsplat backend drops it
+    assert renderer.options == RasterOptions(absgrad=True, atomic_mode="distwar", atomic_threshold=5,
+                                             ellipse_cull=True)  # fmt: skip
     if not torch.cuda.is_available():
         for backend in ("cuda", "gsplat"):
             with pytest.raises(UserError, match=f"render.backend={backend} needs a CUDA GPU"):
