@@ -89,6 +89,13 @@ def test_one_process_sharded_render_equals_render_cuda(mode: str) -> None:
     loss.backward()
     assert out.owner_info["means2d"].shape == (2, N, 2)
     _check(out.images, {k: v.grad for k, v in p.items()}, *_whole_model(params, batch, weights, mode))
+    # the intersection pairs it reports are render_cuda's with the same options, summed over the views
+    from gstrain.render.cuda import render_cuda
+
+    infos = [render_cuda(params, batch.viewmats[i], batch.Ks[i], W_IMG, H_IMG, SH, options=SETTINGS[mode])[2]
+             for i in range(2)]  # fmt: skip
+    before, after = (sum(i["isect_pairs"][k] for i in infos) for k in (0, 1))
+    assert out.pairs == (before, after, 2) and (after < before if "cull" in mode else after == before)
 
 
 def _rank(rank: int, world: int) -> dict:

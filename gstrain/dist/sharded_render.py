@@ -62,6 +62,9 @@ class ShardedRender:
     # exchange even when its loss does not depend on any record (no views, nothing visible)
     zero_term: Tensor
     owner_records: int = 0  # records this rank's Gaussians sent (its load this step; host int)
+    # (Gaussian, tile) pairs of this rank's views before and after the ellipse cull, and views
+    # (host ints; None from the reference rasterizer)
+    pairs: tuple[int, int, int] | None = None
 
 
 def _colors_sh(shard: Mapping[str, Tensor], sh_degree: int) -> Tensor:
@@ -109,20 +112,21 @@ def _colors(sh: Tensor, dirs: Tensor, sh_degree: int, on_gpu: bool) -> Tensor:
 
 
 def _rasterize_view(rec: Tensor, meta: Tensor, width: int, height: int, background: Tensor | None,
-                    backend: str, options: RasterOptions) -> tuple[Tensor, Tensor]:
+                    backend: str, options: RasterOptions) -> tuple[Tensor, Tensor, tuple[int, int] | None]:
     """One view from its received records: our CUDA kernels (or gsplat's rasterizer) after gsplat's
-    tile intersection on a CUDA backend, else the reference rasterizer. image [H,W,3], alpha [H,W,1]."""
+    tile intersection on a CUDA backend, else the reference rasterizer. image [H,W,3], alpha [H,W,1],
+    the intersection's pairs (before, after the cull; None on the reference)."""
     depth = meta[:, 0].contiguous().view(torch.float32).to(rec.dtype)
     means2d, conics, opac, colors = rec[:, 0:2], rec[:, 2:5], rec[:, 5], rec[:, 6:9]
     radii = meta[:, 1:3]
     if backend not in CUDA_BACKENDS:
-        return rasterize(means2d, conics, colors, opac, radii, depth, width, height, background)
+        return (*rasterize(means2d, conics, colors, opac, radii, depth, width, height, background), None)
     from gstrain.render.cuda import intersect_splats, rasterize_splats
 
     one = [t.contiguous()[None] for t in (means2d, conics, opac, radii, depth, colors)]
     splats = intersect_splats(*one[:5], width, height, options.ellipse_cull)
     image, alpha = rasterize_splats(splats, one[5], background, options)
-    return image[0], alpha[0]
+    return image[0], alpha[0], splats.pairs
 
 
 def _compact(mask: Tensor, total: int) -> Tensor:
@@ -142,7 +146,7 @@ def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int,
     from gstrain.render.cuda import intersect_splats, rasterize_splats, splat_colors
 
     means2d, radii, conics, depths = projected
-    images, alphas = [], []
+    images, alphas, pairs = [], [], []
     for i in range(len(batch)):
         view = slice(i, i + 1)  # slices of the [B, N, ...] tensors the strategy reads
         w, h = int(batch.widths[i]), int(batch.heights[i])
@@ -152,9 +156,16 @@ def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int,
         image, alpha = rasterize_splats(splats, colors, background, options)
         images.append(image[0])
         alphas.append(alpha[0])
+        pairs.append(splats.pairs)
     info = strategy_info(means2d, radii, depths, conics, int(batch.widths[0]), int(batch.heights[0]))
     info["n_cameras"] = len(batch)
-    return ShardedRender(list(range(len(batch))), images, alphas, info, means2d.new_zeros(()))
+    return ShardedRender(list(range(len(batch))), images, alphas, info, means2d.new_zeros(()),
+                         pairs=_pair_sums(pairs))  # fmt: skip
+
+
+def _pair_sums(pairs: list[tuple[int, int] | None]) -> tuple[int, int, int] | None:
+    found = [p for p in pairs if p is not None]
+    return (sum(p[0] for p in found), sum(p[1] for p in found), len(found)) if found else None
 
 
 def render_sharded(
@@ -235,12 +246,13 @@ def render_sharded(
         recv, recv_meta = recv.index_select(0, perm), recv_meta.index_select(0, perm)
     recs = recv.split(per_view)
     rmeta = recv_meta.split(per_view)
-    images, alphas = [], []
+    images, alphas, pairs = [], [], []
     for j, i in enumerate(mine):
-        img, alpha = _rasterize_view(recs[j], rmeta[j], int(batch.widths[i]), int(batch.heights[i]), background,
-                                     backend, options)  # fmt: skip
+        img, alpha, view_pairs = _rasterize_view(recs[j], rmeta[j], int(batch.widths[i]), int(batch.heights[i]),
+                                                 background, backend, options)  # fmt: skip
         images.append(img)
         alphas.append(alpha)
+        pairs.append(view_pairs)
 
     # gsplat's strategies scale gradients by one width/height: batches of one image size
     width = int(batch.widths[0]) if n_batch else 0
@@ -248,4 +260,4 @@ def render_sharded(
     info = strategy_info(means2d, radii, depths, conics, width, height)
     info["n_cameras"] = n_batch
     return ShardedRender(views=mine, images=images, alphas=alphas, owner_info=info, zero_term=recv[:0].sum(),
-                         owner_records=total)  # fmt: skip
+                         owner_records=total, pairs=_pair_sums(pairs))  # fmt: skip

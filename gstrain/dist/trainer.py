@@ -242,6 +242,7 @@ class DistTrainer(Trainer):
         loss = out.zero_term if loss is None else loss
         self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
         self._records += out.owner_records
+        self.record.add_pairs(out.pairs)  # this rank's views (rank 0 writes the record)
         sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
         self.record.comm_sent += sent
         self.record.comm_received += received
