@@ -140,8 +140,10 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     backend: str = "auto"
     reprofile_every: int = 0  # partition again every N steps (0: never): load follows densification
     # partition again when the busiest owner sent more than this many times the mean records over
-    # the last log.progress_every steps (0: never; >= 1 otherwise); checked when the ranks agree
+    # the last rebalance_window steps (0: never; >= 1 otherwise); checked when the ranks agree
+    # (log.progress_every), once the window spans rebalance_window steps
     rebalance_above: float = 0.0
+    rebalance_window: int = 500
     # locality cuts balance (1 - w) * load + w * count: 0 = views' load only (uneven memory), 1 = counts
     count_weight: float = 0.5
     always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
@@ -280,6 +282,8 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"dist.reprofile_every must be >= 0 (0: never); got {cfg.dist.reprofile_every}")
     if cfg.dist.rebalance_above != 0 and cfg.dist.rebalance_above < 1:
         raise UserError(f"dist.rebalance_above must be 0 (off) or >= 1 (max/mean load); got {cfg.dist.rebalance_above}")
+    if cfg.dist.rebalance_window < 1:
+        raise UserError(f"dist.rebalance_window must be >= 1 (steps); got {cfg.dist.rebalance_window}")
     if cfg.dist.rebalance_above and (cfg.dist.partition != "locality" or cfg.dist.count_weight >= 1):
         # random and round robin ignore load, as does a locality cut with count_weight 1: partitioning
         # again would not even it out, only move every Gaussian at every check

@@ -76,7 +76,7 @@ def test_batch_and_dist_keys_are_validated():
 
     for key, value in [("train.batch_size", 0), ("dist.partition", "nearest"), ("dist.compress", "int8"),
                        ("dist.timeout_s", 0), ("dist.backend", "mpi"), ("dist.count_weight", 1.5),
-                       ("dist.rebalance_above", 0.5)]:
+                       ("dist.rebalance_above", 0.5), ("dist.rebalance_window", 0)]:
         section, name = key.split(".")
         with pytest.raises(UserError, match=key.replace(".", r"\.")):
             build_config(None, [{section: {name: value}}])

@@ -138,7 +138,8 @@ _TRAIN = {"train": {"steps": 12, "device": "cuda", "seed": 5, "batch_size": 2},
 # partitioned again at step 6 (dist.reprofile_every) and at the agreements before the end (steps 4
 # and 8) where one owner's load exceeded the mean: rows move between the ranks on the GPU with
 # their Adam moments and statistics
-_MOVED = {"dist": {"backend": "gloo", "reprofile_every": 6, "rebalance_above": 1.0, "count_weight": 0.9}}
+_MOVED = {"dist": {"backend": "gloo", "reprofile_every": 6, "rebalance_above": 1.0, "rebalance_window": 1,
+                   "count_weight": 0.9}}
 
 
 def _fit(rank: int, world: int, scene: str, run: str, extra: dict) -> dict:

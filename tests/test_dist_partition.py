@@ -100,6 +100,20 @@ def test_load_imbalance() -> None:
     assert load_imbalance([0.0, 0.0]) == 1.0  # nothing sent: nothing to even out
 
 
+def test_load_window_decides_on_the_whole_window_only() -> None:
+    from gstrain.dist.partition import LoadWindow
+
+    window = LoadWindow(2, steps=100, start=0)
+    assert window.add([9.0, 1.0], 25) is None  # one check's skew (a few views) decides nothing
+    assert window.add([1.0, 9.0], 50) is None
+    assert window.add([5.0, 5.0], 75) is None
+    # steps 0-100 summed by hand: [9+1+5+5, 1+9+5+5] = [20, 20]: even
+    assert window.add([5.0, 5.0], 100) == 1.0
+    # a new window from step 100: it closes at 200 or later, on its own loads only
+    assert window.add([30.0, 10.0], 150) is None
+    assert window.add([0.0, 0.0], 210) == 1.5  # [30, 10]: max 30 over mean 20
+
+
 def test_round_robin_and_random() -> None:
     assert round_robin_partition(11, 3).tolist() == [i % 3 for i in range(11)]
     a, b, c = random_partition(100, 8, seed=4), random_partition(100, 8, seed=4), random_partition(100, 8, seed=5)

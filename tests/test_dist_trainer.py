@@ -108,7 +108,8 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
     # one owner's load exceeded the mean (a threshold of 1, cuts that mostly balance counts): the
     # same training
     moved = _dist_fit(rank, world, scene, f"{root}/moved",
-                      {**CKPT, "dist": {"reprofile_every": 4, "rebalance_above": 1.0, "count_weight": 0.9}})
+                      {**CKPT, "dist": {"reprofile_every": 4, "rebalance_above": 1.0, "rebalance_window": 1,
+                                        "count_weight": 0.9}})
     # a NaN on the last rank after step 5: every rank stops at the next check (step 6, a checkpoint step)
     nan = _dist_fit(rank, world, scene, f"{root}/nan", {**CKPT, "log": {"progress_every": 3, "ckpt_every": 3}},
                     nan_at=5)

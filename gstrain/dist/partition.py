@@ -146,6 +146,28 @@ def load_imbalance(loads: Sequence[float]) -> float:
     return max(loads) * len(loads) / total if total > 0 else 1.0
 
 
+class LoadWindow:
+    """The ranks' loads summed over a window of at least `steps` steps (dist.rebalance_window).
+    A few steps' loads follow the few views drawn, not the partition: a decision on them would
+    partition again for noise, and again at the next check."""
+
+    def __init__(self, world: int, steps: int, start: int = 0) -> None:
+        self.steps = steps
+        self.start = start
+        self.loads = [0.0] * world
+
+    def add(self, loads: Sequence[float], step: int) -> float | None:
+        """Add the loads since the last call (now at `step`); when the window spans `steps`
+        steps, its max/mean load, and a new window begins here. Else None."""
+        self.loads = [a + b for a, b in zip(self.loads, loads, strict=True)]
+        if step - self.start < self.steps:
+            return None
+        ratio = load_imbalance(self.loads)
+        self.loads = [0.0] * len(self.loads)
+        self.start = step
+        return ratio
+
+
 def random_partition(n: int, world: int, seed: int = 0) -> Tensor:
     """owner [N]: a seeded random permutation cut into W equal counts."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))

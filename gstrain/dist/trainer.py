@@ -34,7 +34,7 @@ from gstrain.dist.checkpoint import save_sharded
 from gstrain.dist.exchange import CommCounter
 from gstrain.dist.launch import collective_errors
 from gstrain.dist.migrate import move_rows, owners_of, plan_order
-from gstrain.dist.partition import AccessProfile, access_profile, assign_homes, load_imbalance, view_owner_counts
+from gstrain.dist.partition import AccessProfile, LoadWindow, access_profile, assign_homes, view_owner_counts
 from gstrain.dist.sharded_render import ViewBatch, render_sharded
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
@@ -271,14 +271,14 @@ class DistTrainer(Trainer):
         return total, int(count), stops > 0, bads > 0 or not math.isfinite(total)
 
     def _rebalance_if_uneven(self, step: int) -> None:
-        """dist.rebalance_above: partition again when the busiest owner's load (records sent since
-        the last agreement) exceeds that many times the mean. Every rank decides from the same
-        all-reduced loads, so all of them partition at the same step."""
+        """dist.rebalance_above: partition again when the busiest owner's load (records sent over
+        the last dist.rebalance_window steps) exceeds that many times the mean. Every rank decides
+        from the same all-reduced loads, so all of them partition at the same step."""
         limit = self.cfg.dist.rebalance_above
         if not limit or self.world == 1:
             return
-        ratio = load_imbalance(self.loads)
-        if ratio > limit:
+        ratio = self._window.add(self.loads, step)
+        if ratio is not None and ratio > limit:
             self.log(f"gstrain: step {step}: the busiest rank sent {ratio:.2f}x the mean records; partitioning again")
             self.repartition()
             self.record.rebalanced_at.append(step)
@@ -294,6 +294,7 @@ class DistTrainer(Trainer):
         end = cfg.train.stop_at or total
         start_step = self.step
         self.record = RunRecord(first_step=start_step, max_gaussians=0)
+        self._window = LoadWindow(self.world, cfg.dist.rebalance_window, start_step)  # dist.rebalance_above's
         self._evaluated_at = -1
         eval_steps, save_steps = set(cfg.log.eval_steps) | {end}, set(cfg.log.save_steps) | {end}
         status, ckpt, saved_at, last_psnr = "done", None, -1, float("nan")
