@@ -29,7 +29,7 @@ from torch import Tensor
 from gstrain.dist.exchange import CommCounter, exchange, exchange_counts, rank_and_world
 from gstrain.dist.layout import META_DTYPE, N_DIFF
 from gstrain.render import CUDA_BACKENDS
-from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, strategy_info
+from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, strategy_info, sum_pairs
 from gstrain.render.reference import camera_centre, project_gaussians, rasterize
 from gstrain.render.sh import num_sh_bases, sh_to_color
 
@@ -160,12 +160,8 @@ def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int,
     info = strategy_info(means2d, radii, depths, conics, int(batch.widths[0]), int(batch.heights[0]))
     info["n_cameras"] = len(batch)
     return ShardedRender(list(range(len(batch))), images, alphas, info, means2d.new_zeros(()),
-                         pairs=_pair_sums(pairs))  # fmt: skip
+                         pairs=sum_pairs(pairs))  # fmt: skip
 
-
-def _pair_sums(pairs: list[tuple[int, int] | None]) -> tuple[int, int, int] | None:
-    found = [p for p in pairs if p is not None]
-    return (sum(p[0] for p in found), sum(p[1] for p in found), len(found)) if found else None
 
 
 def render_sharded(
@@ -260,4 +256,4 @@ def render_sharded(
     info = strategy_info(means2d, radii, depths, conics, width, height)
     info["n_cameras"] = n_batch
     return ShardedRender(views=mine, images=images, alphas=alphas, owner_info=info, zero_term=recv[:0].sum(),
-                         owner_records=total, pairs=_pair_sums(pairs))  # fmt: skip
+                         owner_records=total, pairs=sum_pairs(pairs))  # fmt: skip

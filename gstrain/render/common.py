@@ -54,6 +54,13 @@ def strategy_info(means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor
     }
 
 
+def sum_pairs(pairs: list[tuple[int, int] | None]) -> tuple[int, int, int] | None:
+    """(pairs before the ellipse cull, after it, views) summed over renders that reported their
+    tile-intersection pairs (our CUDA render: info["isect_pairs"]); None when none did."""
+    found = [p for p in pairs if p is not None]
+    return (sum(p[0] for p in found), sum(p[1] for p in found), len(found)) if found else None
+
+
 def phase(timer: Any, name: str) -> contextlib.AbstractContextManager:
     """timer.phase(name) when a PhaseTimer is given, else nothing."""
     return timer.phase(name) if timer is not None else contextlib.nullcontext()

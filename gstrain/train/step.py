@@ -21,6 +21,7 @@ from torch import Tensor
 
 from gstrain.config import Config
 from gstrain.render import Renderer
+from gstrain.render.common import sum_pairs
 from gstrain.train.losses import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategies.base import Strategy
@@ -53,14 +54,6 @@ def _grads_of(tensors: list[Tensor], attr: str) -> Tensor | None:
     if all(g is None for g in grads):
         return None
     return torch.cat([torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)])
-
-
-def _pairs(infos: list[dict[str, Any]]) -> tuple[int, int, int] | None:
-    """(pairs before the cull, after it, views) summed over a step's renders, when reported."""
-    found = [i["isect_pairs"] for i in infos if "isect_pairs" in i]
-    if not found:
-        return None
-    return sum(p[0] for p in found), sum(p[1] for p in found), len(found)
 
 
 def merge_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -124,7 +117,7 @@ class StepRunner:
                 loss = loss + reg
         changed = self.finish(params, optimizers, step, loss, lambda: info, scheduler)
         return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed,
-                          _pairs([info]))  # fmt: skip
+                          sum_pairs([info.get("isect_pairs")]))  # fmt: skip
 
     def run_batch(
         self,
@@ -160,7 +153,8 @@ class StepRunner:
             loss = loss + reg
         changed = self.finish(params, optimizers, step, loss, lambda: merge_infos(infos), scheduler)
         terms_mean = {k: t / len(views) for k, t in terms_sum.items()}
-        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, _pairs(infos))
+        pairs = sum_pairs([i.get("isect_pairs") for i in infos])
+        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, pairs)
 
     def finish(self, params: torch.nn.ParameterDict, optimizers: dict[str, torch.optim.Optimizer], step: int,
                loss: Tensor, info_fn: Any, scheduler: Any = None) -> bool:  # fmt: skip
