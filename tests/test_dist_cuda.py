@@ -1,6 +1,6 @@
 """The sharded render on a GPU runs gsplat's projection and our CUDA kernels (every atomic mode),
 and equals render_cuda of the whole model: at W=1 in one process, and at W=2 with gloo ranks
-sharing the one GPU. A W=2 DistTrainer on the GPU equals one process with the same batch."""
+sharing the one GPU. W=2, 3 and 4 DistTrainers on the GPU equal one process with the same batch."""
 
 from __future__ import annotations
 
@@ -154,22 +154,28 @@ def _fit(rank: int, world: int, scene: str, run: str, extra: dict) -> dict:
             "rebalanced_at": trainer.record.rebalanced_at}
 
 
-@pytest.mark.parametrize("extra", [{}, _MOVED], ids=["fixed", "rebalanced"])
-def test_two_ranks_on_one_gpu_train_as_one_process_with_batch_two(demo_scene, tmp_path, extra) -> None:
+# W=2 with and without moved rows; W=3 and W=4 (batch W: a view per rank) as the issue asks
+CASES = {"w2": (2, {}), "w2-rebalanced": (2, _MOVED), "w3": (3, {}), "w4": (4, {})}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ranks_on_one_gpu_train_as_one_process_with_the_same_batch(demo_scene, tmp_path, case: str) -> None:
     from gstrain.config import build_config
     from gstrain.data.colmap import load_scene
     from gstrain.train.trainer import Trainer
 
-    cfg = build_config(None, [_TRAIN])
+    world, extra = CASES[case]
+    extra = {**extra, "train": {"batch_size": world}}
+    cfg = build_config(None, [_TRAIN, extra])
     (tmp_path / "plain").mkdir()
     plain = Trainer(cfg, load_scene(demo_scene, factor=1), tmp_path / "plain", torch.device("cuda"), log=lambda m: None)
     start = {k: v.detach().cpu().clone() for k, v in plain.params.items()}
     assert plain.fit().status == "done"
     expected = {k: v.detach().cpu() for k, v in plain.params.items()}
     (tmp_path / "dist").mkdir()
-    runs = run_local(_fit, 2, str(demo_scene), str(tmp_path / "dist"), extra, timeout=300)
+    runs = run_local(_fit, world, str(demo_scene), str(tmp_path / "dist"), extra, timeout=300)
     rebalanced = runs[0]["rebalanced_at"]
-    assert (bool(rebalanced) and set(rebalanced) <= {4, 8}) if extra else rebalanced == []
+    assert (bool(rebalanced) and set(rebalanced) <= {4, 8}) if "dist" in extra else rebalanced == []
     order = runs[0]["order"]
     for k in expected:
         whole = torch.cat([r["params"][k] for r in runs])
