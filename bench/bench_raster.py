@@ -104,7 +104,6 @@ def git_commit() -> str:
 def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts: list[bool]) -> dict:
     from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
 
-    from gstrain.render.arc import DEFAULT_CANDIDATES, ArcTuner
     from gstrain.render.cuda import THRESHOLD_NEVER
 
     width, height = int(data["width"]) * factor, int(data["height"]) * factor
@@ -187,25 +186,13 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
         ms["warp"] = statistics.median(time_calls(ours(1, vector), 3, args.reps))
         for t in THRESHOLDS:
             ms[f"T={t}"] = statistics.median(time_calls(ours(t, vector), 3, args.reps))
-        # ARC as in training: the tuner picks T from timed backward calls, then it is timed like the rest
-        tuner = ArcTuner(candidates=DEFAULT_CANDIDATES, reps=3)
-        for _ in range(tuner.warmup + len(tuner.candidates) * tuner.reps):
-            t, probe = tuner.next_call(1.0)
-            if probe is not None:
-                probe.start()
-            ours(t, vector)()
-            if probe is not None:
-                probe.stop()
-        torch.cuda.synchronize()  # in training, later iterations would find the events done
-        if not tuner.poll():
-            raise RuntimeError("ARC tuner did not finish its round")
-        chosen = tuner.threshold
+        chosen, arc_costs = tune_arc(lambda t, v=vector: ours(t, v)())
         ms["arc"] = statistics.median(time_calls(ours(chosen, vector), 3, args.reps))
         best_t = min(THRESHOLDS, key=lambda t: ms[f"T={t}"])
         res["layouts"][key] = {
             "ms": ms,
             "arc_threshold": chosen,
-            "arc_costs": tuner.history[-1].costs if tuner.history else {},
+            "arc_costs": arc_costs,
             "best_fixed_T": best_t,
             "ratios": {
                 "atomic_over_arc": ms["atomic"] / ms["arc"],
@@ -214,7 +201,59 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
                 "gsplat_over_warp": res["gsplat_ms"] / ms["warp"],
             },
         }
+    if args.cull and layouts:
+        res["culled"] = bench_culled(ext, common, radii, depths, v_image, v_alpha, layouts[-1], args.reps)
+        res["culled"]["gsplat_over_arc_culled"] = res["gsplat_ms"] / res["culled"]["arc_ms"]
     return res
+
+
+def tune_arc(call: Callable[[int], object]) -> tuple[int, dict]:
+    """ARC as in training: the tuner picks T from timed backward calls (call(T) runs one)."""
+    from gstrain.render.arc import DEFAULT_CANDIDATES, ArcTuner
+
+    tuner = ArcTuner(candidates=DEFAULT_CANDIDATES, reps=3)
+    for _ in range(tuner.warmup + len(tuner.candidates) * tuner.reps):
+        t, probe = tuner.next_call(1.0)
+        if probe is not None:
+            probe.start()
+        call(t)
+        if probe is not None:
+            probe.stop()
+    torch.cuda.synchronize()  # in training, later iterations would find the events done
+    if not tuner.poll():
+        raise RuntimeError("ARC tuner did not finish its round")
+    return tuner.threshold, (tuner.history[-1].costs if tuner.history else {})
+
+
+def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bool, reps: int) -> dict:
+    """Our forward and arc backward on the pairs render.ellipse_cull keeps (our intersection
+    kernel), as training runs them; gsplat keeps its own isect_tiles pairs (its pipeline).
+    Also the culled backward's largest gradient error against the unculled one (should be ~0)."""
+    from gstrain.render.isect import culled_intersection
+
+    means2d, conics, colors, opac, bg, width, height, tile, offsets, flatten_ids = common
+    with torch.no_grad():
+        kept = culled_intersection(ext, means2d, radii, depths, conics, opac, width, height, tile)
+    culled = (means2d, conics, colors, opac, bg, width, height, tile, kept.isect_offsets, kept.flatten_ids)
+    fwd_full = ext.rasterize_fwd(*common)
+    fwd_cull = ext.rasterize_fwd(*culled)
+    image_err = rel(fwd_cull[0], fwd_full[0])
+
+    def bwd(args: tuple, fwd: tuple, threshold: int):
+        return ext.rasterize_bwd(*args, fwd[2], fwd[3], v_image, v_alpha, False, threshold, vector)
+
+    full_g, cull_g = bwd(common, fwd_full, 1), bwd(culled, fwd_cull, 1)
+    grad_err = max(rel(a, b) for a, b in zip(cull_g[:4], full_g[:4], strict=True))
+    del full_g, cull_g
+    chosen, _ = tune_arc(lambda t: bwd(culled, fwd_cull, t))
+    return {
+        "pairs_before": kept.pairs_before,
+        "pairs_after": kept.pairs_after,
+        "fwd_ms": statistics.median(time_calls(lambda: ext.rasterize_fwd(*culled), 2, reps)),
+        "arc_ms": statistics.median(time_calls(lambda: bwd(culled, fwd_cull, chosen), 3, reps)),
+        "arc_threshold": chosen,
+        "vs_unculled_rel_err": {"image": image_err, "grads": grad_err},
+    }
 
 
 def print_tables(results: dict, layouts: list[str]) -> None:
@@ -238,6 +277,18 @@ def print_tables(results: dict, layouts: list[str]) -> None:
                 f"| {name} | {q['atomic_over_arc']:.1f}x | {q['gsplat_over_arc']:.3f}x | "
                 f"{q['arc_over_best_fixed']:.3f} (T={lay['best_fixed_T']}) | {q['gsplat_over_warp']:.3f}x |"
             )
+    culled = {name: r["culled"] for name, r in results.items() if "culled" in r}
+    if culled:
+        print("\n### Culled pairs (render.ellipse_cull, last layout): our arc backward vs gsplat on its own pairs\n")
+        print("| workload | pairs kept | fwd ms | arc bwd ms (T) | gsplat bwd ms | gsplat / arc culled | rel err |")
+        print("|---|---|---|---|---|---|---|")
+        for name, c in culled.items():
+            err = max(c["vs_unculled_rel_err"].values())
+            print(
+                f"| {name} | {c['pairs_after']} / {c['pairs_before']} | {c['fwd_ms']:.2f} | {c['arc_ms']:.2f} "
+                f"(T={c['arc_threshold']}) | {results[name]['gsplat_ms']:.2f} | "
+                f"{c['gsplat_over_arc_culled']:.3f}x | {err:.1e} |"
+            )
     print("\n### Forward (ms) and agreement with gsplat (relative L2 error)\n")
     print("| workload | isects | ours fwd | gsplat fwd | max rel err (image, grads) |")
     print("|---|---|---|---|---|")
@@ -256,6 +307,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--atomic-reps", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cull", action="store_true",
+                    help="also our arc backward on the ellipse-culled pairs (the training default) vs gsplat's")
     ap.add_argument("--json", default=None, help="output JSON (default: $OUT/bench_raster.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -10,6 +10,7 @@ the kernels with the most GPU time. A development tool: `gstrain profile` is the
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--time-steps", type=int, default=200, help="unprofiled steps timed for the wall figure")
     args = ap.parse_args()
     cfg = build_config(overrides=[parse_override(s) for s in args.sets])
     work = load_workload(args.target, cfg, torch.device("cuda"))
@@ -33,6 +35,11 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.time_steps):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / max(args.time_steps, 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
@@ -41,6 +48,11 @@ def main() -> None:
     print(f"{len(step.params['means'])} Gaussians, {args.steps} steps; totals over all steps")
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    # kernels' own time per step against the unprofiled wall: how busy the step keeps the GPU
+    kernel_ms = sum(e.self_device_time_total for e in table) / 1e3 / args.steps
+    launches = sum(e.count for e in table if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    print(f"wall {wall_ms:.3f} ms/step over {args.time_steps} unprofiled steps; kernels {kernel_ms:.3f} ms/step "
+          f"(GPU busy {kernel_ms / wall_ms:.0%}); {launches / args.steps:.0f} kernel launches per step")
 
 
 if __name__ == "__main__":
