@@ -101,7 +101,7 @@ def git_commit() -> str:
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
-def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts: list[bool]) -> dict:
+def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts: list[tuple[bool, bool]]) -> dict:
     from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
 
     from gstrain.render.cuda import THRESHOLD_NEVER
@@ -133,9 +133,9 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
         means2d, conics, colors, opac, None, None, width, height, 16, offsets, flatten_ids
     )
 
-    def ours(threshold: int, vector: bool):
+    def ours(threshold: int, vector: bool, scatter: bool = True):
         return lambda: ext.rasterize_bwd(
-            *common, t_final, last_ids, v_image, v_alpha, False, threshold, vector
+            *common, t_final, last_ids, v_image, v_alpha, False, threshold, vector, scatter
         )  # fmt: skip
 
     def peer():
@@ -179,15 +179,15 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
         ),
     }
     res["gsplat_ms"] = statistics.median(time_calls(peer, 3, args.reps))
-    for vector in layouts:
-        key = "vector" if vector else "scalar"
+    for vector, scatter in layouts:
+        key = layout_key(vector, scatter)
         ms: dict[str, float] = {}
         ms["atomic"] = statistics.median(time_calls(ours(THRESHOLD_NEVER, vector), 1, args.atomic_reps))
-        ms["warp"] = statistics.median(time_calls(ours(1, vector), 3, args.reps))
+        ms["warp"] = statistics.median(time_calls(ours(1, vector, scatter), 3, args.reps))
         for t in THRESHOLDS:
-            ms[f"T={t}"] = statistics.median(time_calls(ours(t, vector), 3, args.reps))
-        chosen, arc_costs = tune_arc(lambda t, v=vector: ours(t, v)())
-        ms["arc"] = statistics.median(time_calls(ours(chosen, vector), 3, args.reps))
+            ms[f"T={t}"] = statistics.median(time_calls(ours(t, vector, scatter), 3, args.reps))
+        chosen, arc_costs = tune_arc(lambda t, v=vector, r=scatter: ours(t, v, r)())
+        ms["arc"] = statistics.median(time_calls(ours(chosen, vector, scatter), 3, args.reps))
         best_t = min(THRESHOLDS, key=lambda t: ms[f"T={t}"])
         res["layouts"][key] = {
             "ms": ms,
@@ -202,7 +202,7 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
             },
         }
     if args.cull and layouts:
-        res["culled"] = bench_culled(ext, common, radii, depths, v_image, v_alpha, layouts[-1], args.reps)
+        res["culled"] = bench_culled(ext, common, radii, depths, v_image, v_alpha, *layouts[0], args.reps)
         res["culled"]["gsplat_over_arc_culled"] = res["gsplat_ms"] / res["culled"]["arc_ms"]
     return res
 
@@ -225,7 +225,13 @@ def tune_arc(call: Callable[[int], object]) -> tuple[int, dict]:
     return tuner.threshold, (tuner.history[-1].costs if tuner.history else {})
 
 
-def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bool, reps: int) -> dict:
+def layout_key(vector: bool, scatter: bool) -> str:
+    """The results' name of a gradient layout and warp reduction (the scatter one is the default)."""
+    return ("vector" if vector else "scalar") + ("" if scatter else "-butterfly")
+
+
+def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bool, scatter: bool,
+                 reps: int) -> dict:  # fmt: skip
     """Our forward and arc backward on the pairs render.ellipse_cull keeps (our intersection
     kernel), as training runs them; gsplat keeps its own isect_tiles pairs (its pipeline).
     Also the culled backward's largest gradient error against the unculled one (should be ~0)."""
@@ -240,7 +246,7 @@ def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bo
     image_err = rel(fwd_cull[0], fwd_full[0])
 
     def bwd(args: tuple, fwd: tuple, threshold: int):
-        return ext.rasterize_bwd(*args, fwd[2], fwd[3], v_image, v_alpha, False, threshold, vector)
+        return ext.rasterize_bwd(*args, fwd[2], fwd[3], v_image, v_alpha, False, threshold, vector, scatter)
 
     full_g, cull_g = bwd(common, fwd_full, 1), bwd(culled, fwd_cull, 1)
     grad_err = max(rel(a, b) for a, b in zip(cull_g[:4], full_g[:4], strict=True))
@@ -279,7 +285,7 @@ def print_tables(results: dict, layouts: list[str]) -> None:
             )
     culled = {name: r["culled"] for name, r in results.items() if "culled" in r}
     if culled:
-        print("\n### Culled pairs (render.ellipse_cull, last layout): our arc backward vs gsplat on its own pairs\n")
+        print("\n### Culled pairs (render.ellipse_cull, first layout): our arc backward vs gsplat on its own pairs\n")
         print("| workload | pairs kept | fwd ms | arc bwd ms (T) | gsplat bwd ms | gsplat / arc culled | rel err |")
         print("|---|---|---|---|---|---|---|")
         for name, c in culled.items():
@@ -307,6 +313,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--atomic-reps", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reductions", default="scatter",
+                    help="warp reductions to time: scatter (the default kernel), butterfly (the former)")
     ap.add_argument("--cull", action="store_true",
                     help="also our arc backward on the ellipse-culled pairs (the training default) vs gsplat's")
     ap.add_argument("--json", default=None, help="output JSON (default: $OUT/bench_raster.json)")
@@ -321,7 +329,9 @@ def main() -> int:
     ext = build_all(["raster"])["raster"]
     data_path = find_data(args.data)
     data = dict(np.load(data_path))
-    layouts = [x for x in args.layouts.split(",") if x]
+    reductions = [x for x in args.reductions.split(",") if x]
+    layouts = [(lay == "vector", red == "scatter") for lay in args.layouts.split(",") if lay for red in reductions]
+    keys = [layout_key(*lay) for lay in layouts]
     results: dict = {}
     for wname in args.workloads.split(","):
         gen = torch.Generator().manual_seed(args.seed)
@@ -329,7 +339,7 @@ def main() -> int:
         for f in (int(x) for x in args.factors.split(",")):
             size = f"{int(data['width']) * f}x{int(data['height']) * f}"
             label = f"{wname} {wl['means'].shape[0] / 1e6:.2f}M, {size}"
-            results[label] = bench_case(ext, _make_lazy_cuda_func, wl, f, data, args, [x == "vector" for x in layouts])
+            results[label] = bench_case(ext, _make_lazy_cuda_func, wl, f, data, args, layouts)
             torch.cuda.empty_cache()
             print(f"bench_raster: {label} done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         del wl
@@ -346,7 +356,7 @@ def main() -> int:
         "reps": args.reps,
     }
     print("\n" + " | ".join(f"{k}: {v}" for k, v in meta.items()))
-    print_tables(results, layouts)
+    print_tables(results, keys)
     out = args.json or (os.path.join(os.environ["OUT"], "bench_raster.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

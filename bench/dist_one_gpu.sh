@@ -6,7 +6,10 @@
 #             against one process with batch 2 and one process with batch 1, one run per seed,
 #             all runs of a seed side by side on the GPU (MPS).
 #   bash bench/dist_one_gpu.sh overhead SCENE [STEPS=3000] [PAIRS=2]
+#   fp16:     test PSNR at STEPS of W=2 gloo ranks with dist.compress=none against fp16, per seed,
+#             all runs side by side on the GPU (quality only: the times are under contention).
 #   bash bench/dist_one_gpu.sh psnr SCENE [STEPS=7000] [SEEDS="0 1 2"]
+#   bash bench/dist_one_gpu.sh fp16 SCENE [STEPS=7000] [SEEDS="0 1 2"]
 # Prints one line per run (seconds, wall ms/step, final test PSNR, Gaussians) from train_summary.json.
 set -uo pipefail
 what=$1 scene=$2
@@ -59,8 +62,23 @@ psnr)
         summary "seed $s W=2 gloo B=2" "$tmp/p_w2_$s"
     done
     ;;
+fp16)
+    steps=${3:-7000} seeds=${4:-"0 1 2"}
+    for s in $seeds; do
+        for c in none fp16; do
+            rm -rf "$tmp/f_${c}_$s"
+            run_torch --nproc-per-node=2 -m gstrain fit "$scene" --steps "$steps" --seed "$s" --out "$tmp/f_${c}_$s" \
+                --set dist.backend=gloo --set train.batch_size=2 --set dist.compress=$c > "$tmp/f_${c}_$s.log" 2>&1 &
+        done
+    done
+    wait
+    for s in $seeds; do
+        summary "seed $s W=2 gloo compress none" "$tmp/f_none_$s"
+        summary "seed $s W=2 gloo compress fp16" "$tmp/f_fp16_$s"
+    done
+    ;;
 *)
-    echo "usage: bash bench/dist_one_gpu.sh overhead|psnr SCENE [STEPS] [PAIRS|SEEDS]" >&2
+    echo "usage: bash bench/dist_one_gpu.sh overhead|psnr|fp16 SCENE [STEPS] [PAIRS|SEEDS]" >&2
     exit 2
     ;;
 esac

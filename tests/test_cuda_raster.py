@@ -132,7 +132,8 @@ def input_leaves(s: Scene) -> dict[str, Tensor]:
 
 
 def run_cuda(
-    s: Scene, mode: str, absgrad: bool = False, threshold: int = 8, vector: bool | None = None, tuner=None
+    s: Scene, mode: str, absgrad: bool = False, threshold: int = 8, vector: bool | None = None, tuner=None,
+    scatter: bool | None = None,
 ) -> dict[str, Tensor]:
     from gstrain.render.arc import ArcTuner
     from gstrain.render.cuda import rasterize_cuda
@@ -146,7 +147,7 @@ def run_cuda(
     image, alpha = rasterize_cuda(
         leaves["means2d"], leaves["conics"], leaves["colors"], leaves["opacities"], s.width, s.height, 16,
         offsets, flatten_ids, backgrounds=leaves.get("background"), absgrad=absgrad, atomic_mode=mode,
-        atomic_threshold=threshold, tuner=tuner, vector_atomics=vector,
+        atomic_threshold=threshold, tuner=tuner, vector_atomics=vector, scatter_reduce=scatter,
     )  # fmt: skip
     ((image * s.w_image).sum() + (alpha * s.w_alpha).sum()).backward()
     out = {"image": image.detach(), "alpha": alpha.detach()}
@@ -260,13 +261,14 @@ def test_modes_match_reference(name: str, mode: str, absgrad: bool) -> None:
     compare(ours, reference_for(name, s, absgrad), f"{name}/{mode}")
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["butterfly", "scatter"])
 @pytest.mark.parametrize("vector", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_gradient_layouts_match_reference(mode: str, vector: bool) -> None:
+def test_gradient_layouts_match_reference(mode: str, vector: bool, scatter: bool) -> None:
     s = scene_random(seed=10)
     s.background = torch.rand(1, 3, device="cuda")
-    ours = run_cuda(s, mode, absgrad=True, vector=vector)
-    compare(ours, run_reference(s, absgrad=True), f"{mode}/vector={vector}")
+    ours = run_cuda(s, mode, absgrad=True, vector=vector, scatter=scatter)
+    compare(ours, run_reference(s, absgrad=True), f"{mode}/vector={vector}/scatter={scatter}")
 
 
 @pytest.mark.parametrize("channels", [2, 4, 5, 8, 40])
@@ -302,13 +304,14 @@ def test_nothing_visible() -> None:
 
 def test_modes_and_thresholds_agree() -> None:
     s = make_scene(400, 80, 64, seed=40, background=True)
-    base = run_cuda(s, "warp", absgrad=True, vector=False)
+    base = run_cuda(s, "warp", absgrad=True, vector=False, scatter=False)
     variants = [("atomic", 8), ("arc", 8)] + [("distwar", t) for t in (1, 2, 4, 6, 8, 12, 16, 24, 32)]
     for vector in (False, True):
-        for mode, t in variants:
-            other = run_cuda(s, mode, absgrad=True, threshold=t, vector=vector)
-            for k in base:
-                assert_close(f"{mode} T={t} vector={vector} {k}", other[k], base[k], 1e-5)
+        for scatter in (False, True):
+            for mode, t in variants:
+                other = run_cuda(s, mode, absgrad=True, threshold=t, vector=vector, scatter=scatter)
+                for k in base:
+                    assert_close(f"{mode} T={t} vector={vector} scatter={scatter} {k}", other[k], base[k], 1e-5)
 
 
 def test_forward_is_deterministic_and_writes_every_pixel() -> None:

@@ -194,7 +194,8 @@ std::vector<at::Tensor> rasterize_bwd(
     const c10::optional<at::Tensor> &v_alpha,
     bool absgrad,
     int64_t threshold,
-    bool vector_layout
+    bool vector_layout,
+    bool scatter
 ) {
     const c10::cuda::CUDAGuard guard(means2d.device());
     Inputs in = make_args(
@@ -274,8 +275,8 @@ std::vector<at::Tensor> rasterize_bwd(
                     const float *vi = vimg.data_ptr<float>();
                     const int thr = (int)threshold;
                     return vector_layout
-                               ? launch_raster_bwd<CH, true>(a, tf, li, vi, va, o, absgrad, thr, stream)
-                               : launch_raster_bwd<CH, false>(a, tf, li, vi, va, o, absgrad, thr, stream);
+                               ? launch_raster_bwd<CH, true>(a, tf, li, vi, va, o, absgrad, thr, scatter, stream)
+                               : launch_raster_bwd<CH, false>(a, tf, li, vi, va, o, absgrad, thr, scatter, stream);
                 }
             ),
             "rasterize backward"

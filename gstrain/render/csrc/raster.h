@@ -65,6 +65,7 @@ cudaError_t launch_raster_bwd(
     const GradPtrs &grads,
     bool absgrad,
     int threshold,         // reduce across the warp when at least this many lanes contribute
+    bool scatter,          // reduce by reduce-scatter (one slot per lane) where the slots fit 16
     cudaStream_t stream
 );
 

@@ -6,7 +6,7 @@ namespace gstrain {
 #define GSTRAIN_INSTANTIATE_BWD(CH)                                                                \
     template cudaError_t launch_raster_bwd<CH, false>(                                             \
         const RasterArgs &, const float *, const int *, const float *, const float *,              \
-        const GradPtrs &, bool, int, cudaStream_t                                                  \
+        const GradPtrs &, bool, int, bool, cudaStream_t                                                  \
     );
 GSTRAIN_FOR_EACH_CHANNELS(GSTRAIN_INSTANTIATE_BWD)
 #undef GSTRAIN_INSTANTIATE_BWD
