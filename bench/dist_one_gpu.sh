@@ -65,7 +65,7 @@ psnr)
 fp16)
     steps=${3:-7000} seeds=${4:-"0 1 2"}
     for s in $seeds; do
-        for c in none fp16; do
+        for c in ${COMPRESS:-none fp16}; do
             rm -rf "$tmp/f_${c}_$s"
             run_torch --nproc-per-node=2 -m gstrain fit "$scene" --steps "$steps" --seed "$s" --out "$tmp/f_${c}_$s" \
                 --set dist.backend=gloo --set train.batch_size=2 --set dist.compress=$c > "$tmp/f_${c}_$s.log" 2>&1 &
@@ -73,8 +73,10 @@ fp16)
     done
     wait
     for s in $seeds; do
-        summary "seed $s W=2 gloo compress none" "$tmp/f_none_$s"
-        summary "seed $s W=2 gloo compress fp16" "$tmp/f_fp16_$s"
+        for c in ${COMPRESS:-none fp16}; do
+            summary "seed $s W=2 gloo compress $c" "$tmp/f_${c}_$s"
+            grep -m1 -i "error\|non-finite\|nan" "$tmp/f_${c}_$s.log"
+        done
     done
     ;;
 *)

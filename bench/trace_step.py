@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from gstrain.config import build_config, parse_override
@@ -49,7 +50,8 @@ def main() -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
     # kernels' own time per step against the unprofiled wall: how busy the step keeps the GPU
-    kernel_ms = sum(e.self_device_time_total for e in table) / 1e3 / args.steps
+    # (only the device-side rows: an op's row repeats its kernels' time)
+    kernel_ms = sum(e.self_device_time_total for e in table if e.device_type == DeviceType.CUDA) / 1e3 / args.steps
     launches = sum(e.count for e in table if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     print(f"wall {wall_ms:.3f} ms/step over {args.time_steps} unprofiled steps; kernels {kernel_ms:.3f} ms/step "
           f"(GPU busy {kernel_ms / wall_ms:.0%}); {launches / args.steps:.0f} kernel launches per step")

@@ -52,7 +52,9 @@ def test_exchange_equals_gather() -> None:
 
 def _check(world: int, dtype: torch.dtype, compress: str, results: list[dict]) -> None:
     x, grad, owner, dest = _data(dtype, world)
-    wire = (lambda t: t.half().to(dtype)) if compress == "fp16" else (lambda t: t)
+    # fp16: the first 5 columns (means2d, conics) exact, the other 4 as float16; gradients bfloat16
+    wire = (lambda t: torch.cat([t[:, :5], t[:, 5:].half().to(dtype)], 1)) if compress == "fp16" else (lambda t: t)
+    grad_wire = (lambda t: t.bfloat16().to(dtype)) if compress == "fp16" else (lambda t: t)
     for r, res in enumerate(results):
         # rows arrive grouped by source rank, each source's rows in the order it sent them
         expect_ids = torch.cat([res_s["sent_ids"][dest[res_s["sent_ids"]] == r] for res_s in results])
@@ -60,15 +62,16 @@ def _check(world: int, dtype: torch.dtype, compress: str, results: list[dict]) -
         assert torch.equal(res["out"], wire(x[expect_ids]))
         assert res["recv"] == [int(((owner == s) & (dest == r)).sum()) for s in range(world)]
         # backward: each sent row gets exactly the gradient its receiver applied to it
-        assert torch.equal(res["grad"], wire(grad[res["sent_ids"]]))
+        assert torch.equal(res["grad"], grad_wire(grad[res["sent_ids"]]))
         # bytes on the wire: rows that leave for another rank
         fwd = [c for c in res["counter"] if c.op == "records_fwd"]
         bwd = [c for c in res["counter"] if c.op == "records_bwd"]
-        payload_bytes = K * (2 if compress == "fp16" else x.element_size())
+        fwd_bytes = 5 * x.element_size() + 4 * 2 if compress == "fp16" else K * x.element_size()
+        bwd_bytes = K * (2 if compress == "fp16" else x.element_size())
         n_out = int(((owner == r) & (dest != r)).sum())
         n_in = int(((owner != r) & (dest == r)).sum())
-        assert (fwd[0].sent, fwd[0].received) == (n_out * (payload_bytes + 8), n_in * (payload_bytes + 8))
-        assert (bwd[0].sent, bwd[0].received) == (n_in * payload_bytes, n_out * payload_bytes)
+        assert (fwd[0].sent, fwd[0].received) == (n_out * (fwd_bytes + 8), n_in * (fwd_bytes + 8))
+        assert (bwd[0].sent, bwd[0].received) == (n_in * bwd_bytes, n_out * bwd_bytes)
 
 
 def _failing(rank: int, world: int) -> None:
@@ -87,7 +90,8 @@ def test_single_process_is_identity() -> None:
     out, meta, recv = exchange(x, [5])
     assert out is x and meta is None and recv == [5]
     half, _, _ = exchange(x, [5], compress="fp16")
-    assert torch.equal(half, x.detach().half().float())
+    assert torch.equal(half[:, :5], x.detach()[:, :5])
+    assert torch.equal(half[:, 5:], x.detach()[:, 5:].half().float())
     with pytest.raises(ValueError, match="compress"):
         exchange(x, [5], compress="int8")
 

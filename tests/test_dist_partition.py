@@ -166,7 +166,8 @@ def test_comm_model_by_hand() -> None:
     assert m["records_bwd"][0].tolist() == [36, 0] and m["records_bwd"][1].tolist() == [0, 36]
     assert m["counts"][0].tolist() == [8, 8]  # one int64 count per view rendered elsewhere
     half = step_bytes(counts, homes, [0, 1], compress="fp16")
-    assert half["records_fwd"][0].tolist() == [0, 30] and half["records_bwd"][0].tolist() == [18, 0]
+    # fp16: means2d and conics stay 4 B each (5 x 4), opacity and colour 2 B (4 x 2); gradients 9 x 2
+    assert half["records_fwd"][0].tolist() == [0, 40] and half["records_bwd"][0].tolist() == [18, 0]
 
 
 def test_expected_bytes_average_over_all_batches() -> None:

@@ -4,7 +4,8 @@ Rows of `payload` are grouped by destination rank (send_splits[r] rows for rank 
 holds the rows received, grouped by source rank. The backward sends the gradients of the
 received rows back through the reverse exchange. Non-differentiable columns (`meta`, any dtype)
 can ride in the same collective: payload and meta are packed as bytes into one message.
-compress='fp16' casts the payload (and its gradient) to float16 for the wire only.
+compress='fp16' sends part of the payload as float16 and its gradient as bfloat16, for the wire
+only (layout.wire_segments says which columns).
 
 A CommCounter records the exact bytes of every collective, from the split sizes alone: the
 uneven split already needs them on the host, so counting costs no further sync.
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gstrain.dist.layout import COUNT_DTYPE, wire_dtype
+from gstrain.dist.layout import COUNT_DTYPE, grad_wire_dtype, wire_segments
 
 __all__ = ["CommCounter", "CommRecord", "exchange", "exchange_counts", "exchange_objects", "rank_and_world"]
 
@@ -93,19 +94,27 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, payload, meta, send, recv, compress, counter, group):  # type: ignore[override]
         rank, _ = rank_and_world(group)
-        wire = payload.detach().to(wire_dtype(payload.dtype, compress))
-        n_pay = wire.shape[1] * wire.element_size()
-        parts = [wire.view(torch.uint8)]
+        segments = [(n, dt) for n, dt in wire_segments(payload.dtype, compress, payload.shape[1]) if n > 0]
+        parts, col = [], 0
+        for n, dt in segments:
+            parts.append(payload[:, col : col + n].detach().to(dt).contiguous().view(torch.uint8))
+            col += n
+        n_pay = sum(p.shape[1] for p in parts)
         if meta is not None:
             parts.append(meta.detach().contiguous().view(torch.uint8))
         msg = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         if counter is not None:
             counter.add("records_fwd", send, recv, msg.shape[1], rank)
         got = _all_to_all_rows(msg, send, recv, group)
-        out = got[:, :n_pay].contiguous().view(wire.dtype).to(payload.dtype)
+        cols, byte = [], 0
+        for n, dt in segments:
+            width = n * torch.empty((), dtype=dt).element_size()
+            cols.append(got[:, byte : byte + width].contiguous().view(dt).to(payload.dtype))
+            byte += width
+        out = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
         out_meta = got[:, n_pay:].contiguous().view(meta.dtype) if meta is not None else None
         ctx.send, ctx.recv, ctx.group, ctx.counter = send, recv, group, counter
-        ctx.wire_dtype, ctx.dtype = wire.dtype, payload.dtype
+        ctx.wire_dtype, ctx.dtype = grad_wire_dtype(payload.dtype, compress), payload.dtype
         if out_meta is not None:
             ctx.mark_non_differentiable(out_meta)
         return out, out_meta
@@ -146,7 +155,7 @@ def exchange(
         ones = [1] * world
         sizes = torch.tensor(send_splits, device=payload.device)
         recv_splits = exchange_counts(sizes, ones, ones, counter, group).tolist()
-    wire_dtype(payload.dtype, compress)  # validates compress
+    grad_wire_dtype(payload.dtype, compress)  # validates compress
     if world == 1 and compress == "none":
         # nothing leaves the process: no copy, so W=1 is the plain single-process graph
         if counter is not None:
