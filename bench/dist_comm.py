@@ -33,6 +33,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,23 @@ def _profile_params(means: torch.Tensor, scales: torch.Tensor, viewmats, Ks, wid
     return access_profile(means, quats, scales, viewmats, Ks, widths, heights, chunk=1 << 18)
 
 
-def scene_beer() -> tuple[AccessProfile, torch.Tensor, str]:
+@dataclass
+class Cameras:
+    """A study scene's Gaussians (isotropic: linear scales [N, 3]) and views."""
+
+    means: torch.Tensor
+    scales: torch.Tensor
+    viewmats: torch.Tensor  # [V, 4, 4]
+    Ks: torch.Tensor  # [V, 3, 3]
+    widths: list[int]
+    heights: list[int]
+    desc: str
+
+    def profile(self) -> AccessProfile:
+        return _profile_params(self.means, self.scales, self.viewmats, self.Ks, self.widths, self.heights)
+
+
+def beer_cameras() -> Cameras:
     from gstrain.data.colmap import load_scene
     from gstrain.model import init_gaussians
 
@@ -76,11 +93,15 @@ def scene_beer() -> tuple[AccessProfile, torch.Tensor, str]:
     views = scene.train
     g = init_gaussians(scene.points, scene.point_colors, sh_degree=0)
     means, scales = g["means"].detach(), torch.exp(g["scales"].detach())
-    prof = _profile_params(means, scales, torch.stack([v.viewmat for v in views]), torch.stack([v.K for v in views]),
-                           [v.width for v in views], [v.height for v in views])  # fmt: skip
     size = f"{views[0].width}x{views[0].height}"
     desc = f"beer: {means.shape[0]} SfM points as Gaussians (kNN init), {len(views)} views {size}"
-    return prof, means, desc
+    return Cameras(means, scales, torch.stack([v.viewmat for v in views]), torch.stack([v.K for v in views]),
+                   [v.width for v in views], [v.height for v in views], desc)  # fmt: skip
+
+
+def scene_beer() -> tuple[AccessProfile, torch.Tensor, str]:
+    cams = beer_cameras()
+    return cams.profile(), cams.means, cams.desc
 
 
 def _look_at(eye: np.ndarray, target: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -95,7 +116,7 @@ def _look_at(eye: np.ndarray, target: np.ndarray, up: np.ndarray) -> np.ndarray:
     return m
 
 
-def scene_garden(n_views: int = 160, dense: int = 1) -> tuple[AccessProfile, torch.Tensor, str]:
+def garden_cameras(n_views: int = 160, dense: int = 1) -> Cameras:
     from gstrain.model import knn_rms_distance
 
     d = np.load(DATA / "test_garden.npz")
@@ -123,9 +144,13 @@ def scene_garden(n_views: int = 160, dense: int = 1) -> tuple[AccessProfile, tor
         means = (pts[:, None] + torch.randn(pts.shape[0], dense, 3, generator=g) * scales[:, None] * 0.5).reshape(-1, 3)
         scales = (scales / 2).repeat_interleave(dense, 0)
         label = f"dense x{dense}"
-    prof = _profile_params(means, scales, viewmats, Ks, [w] * len(viewmats), [h] * len(viewmats))
     desc = f"garden {label}: {means.shape[0]} Gaussians, 3 given + {len(extra)} ring views {w}x{h}"
-    return prof, means, desc
+    return Cameras(means, scales, viewmats, Ks, [w] * len(viewmats), [h] * len(viewmats), desc)
+
+
+def scene_garden(n_views: int = 160, dense: int = 1) -> tuple[AccessProfile, torch.Tensor, str]:
+    cams = garden_cameras(n_views, dense)
+    return cams.profile(), cams.means, cams.desc
 
 
 def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessProfile, torch.Tensor, str]:
