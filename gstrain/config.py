@@ -134,7 +134,7 @@ class ViewerConfig:  # gstrain fit --viewer
 @dataclass
 class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Several GPUs")
     partition: str = "locality"  # who owns which Gaussian: locality | random | round_robin
-    compress: str = "none"  # records on the wire: none | fp16 (gradients too)
+    compress: str = "none"  # records on the wire: none | fp16 (opacity, colour 16-bit; gradients bfloat16)
     timeout_s: float = 600.0  # a collective waiting longer than this ends the run (a rank died)
     # auto: nccl on GPUs, gloo on the CPU; gloo on GPUs lets ranks share one GPU (correctness runs)
     backend: str = "auto"
