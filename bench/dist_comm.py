@@ -49,6 +49,7 @@ from gstrain.dist.partition import (
     make_partition,
     view_owner_counts,
 )
+from gstrain.dist.view_partition import guarded, view_owners
 
 WORLDS = (2, 4, 8, 16, 32, 64, 128)
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,6 +243,15 @@ def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessP
 VARIANTS = [(p, p, DistConfig().count_weight) for p in PARTITIONS] + [("locality (load only)", "locality", 0.0)]
 
 
+def partition_of(kind: str, prof: AccessProfile, means: torch.Tensor, load: torch.Tensor, world: int,
+                 count_weight: float) -> torch.Tensor:  # fmt: skip
+    """owner [N] as gstrain partitions (views: with its fall-back to locality, as in training)."""
+    if kind != "views":
+        return make_partition(kind, means, load, world, seed=0, count_weight=count_weight)
+    fallback = make_partition("locality", means, load, world, count_weight=count_weight)
+    return guarded(view_owners(prof, means, world, fallback), fallback, load, world, DistConfig().max_imbalance)[0]
+
+
 def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int, ...]) -> list[dict]:
     load = prof.access_counts()
     pairs = int(prof.ids.numel())
@@ -250,7 +260,7 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
     for world in worlds:
         balanced = bound_step_bytes(visible, world, math.ceil(prof.n / world))
         for part, kind, weight in VARIANTS:
-            owner = make_partition(kind, means, load, world, seed=0, count_weight=weight)
+            owner = partition_of(kind, prof, means, load, world, weight)
             largest = int(torch.bincount(owner, minlength=world).max())
             counts = view_owner_counts(prof, owner, world)
             homes = assign_homes(counts)

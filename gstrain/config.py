@@ -27,7 +27,7 @@ ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the one list
 MASK_MODES = ("ignore", "background")
-PARTITIONS = ("locality", "random", "round_robin")  # gstrain.dist.partition.PARTITIONS
+PARTITIONS = ("locality", "random", "round_robin", "views")  # gstrain.dist.partition.PARTITIONS
 COMPRESSIONS = ("none", "fp16")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 
@@ -133,7 +133,7 @@ class ViewerConfig:  # gstrain fit --viewer
 
 @dataclass
 class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Several GPUs")
-    partition: str = "locality"  # who owns which Gaussian: locality | random | round_robin
+    partition: str = "locality"  # who owns which Gaussian: locality | random | round_robin | views
     compress: str = "none"  # records on the wire: none | fp16 (opacity, colour 16-bit; gradients bfloat16)
     timeout_s: float = 600.0  # a collective waiting longer than this ends the run (a rank died)
     # auto: nccl on GPUs, gloo on the CPU; gloo on GPUs lets ranks share one GPU (correctness runs)
@@ -146,6 +146,8 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     rebalance_window: int = 500
     # locality cuts balance (1 - w) * load + w * count: 0 = views' load only (uneven memory), 1 = counts
     count_weight: float = 0.5
+    # partition=views falls back to locality when it would leave a rank over this x the mean load or count
+    max_imbalance: float = 1.5
     always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
 
@@ -284,10 +286,13 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"dist.rebalance_above must be 0 (off) or >= 1 (max/mean load); got {cfg.dist.rebalance_above}")
     if cfg.dist.rebalance_window < 1:
         raise UserError(f"dist.rebalance_window must be >= 1 (steps); got {cfg.dist.rebalance_window}")
-    if cfg.dist.rebalance_above and (cfg.dist.partition != "locality" or cfg.dist.count_weight >= 1):
+    by_load = cfg.dist.partition == "views" or (cfg.dist.partition == "locality" and cfg.dist.count_weight < 1)
+    if cfg.dist.rebalance_above and not by_load:
         # random and round robin ignore load, as does a locality cut with count_weight 1: partitioning
         # again would not even it out, only move every Gaussian at every check
-        raise UserError("dist.rebalance_above needs dist.partition=locality with dist.count_weight < 1")
+        raise UserError("dist.rebalance_above needs dist.partition=views, or locality with dist.count_weight < 1")
+    if cfg.dist.max_imbalance < 1:
+        raise UserError(f"dist.max_imbalance must be >= 1 (max/mean); got {cfg.dist.max_imbalance}")
     if not 0.0 <= cfg.dist.count_weight <= 1.0:
         raise UserError(f"dist.count_weight must be in [0, 1]; got {cfg.dist.count_weight}")
     if cfg.dist.timeout_s <= 0:

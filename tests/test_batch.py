@@ -76,11 +76,13 @@ def test_batch_and_dist_keys_are_validated():
 
     for key, value in [("train.batch_size", 0), ("dist.partition", "nearest"), ("dist.compress", "int8"),
                        ("dist.timeout_s", 0), ("dist.backend", "mpi"), ("dist.count_weight", 1.5),
-                       ("dist.rebalance_above", 0.5), ("dist.rebalance_window", 0)]:
+                       ("dist.rebalance_above", 0.5), ("dist.rebalance_window", 0), ("dist.max_imbalance", 0.9)]:
         section, name = key.split(".")
         with pytest.raises(UserError, match=key.replace(".", r"\.")):
             build_config(None, [{section: {name: value}}])
     with pytest.raises(UserError, match="dist.rebalance_above needs"):
         build_config(None, [{"dist": {"rebalance_above": 1.5, "partition": "round_robin"}}])
+    cfg = build_config(None, [{"dist": {"partition": "views", "rebalance_above": 1.5}}])  # views rebalance by load
+    assert cfg.dist.partition == "views"
     cfg = build_config(None, [{"dist": {"partition": "round_robin", "compress": "fp16"}, "train": {"batch_size": 4}}])
     assert (cfg.dist.partition, cfg.dist.compress, cfg.train.batch_size) == ("round_robin", "fp16", 4)

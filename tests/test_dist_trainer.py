@@ -110,10 +110,15 @@ def _stop_and_resume(rank: int, world: int, scene: str, root: str) -> dict:
     moved = _dist_fit(rank, world, scene, f"{root}/moved",
                       {**CKPT, "dist": {"reprofile_every": 4, "rebalance_above": 1.0, "rebalance_window": 1,
                                         "count_weight": 0.9}})
+    # dist.partition=views, planned on rank 0 at the start and by all ranks at steps 4 and 8 (the
+    # guard off: the demo scene's 400 Gaussians need not balance): the same training
+    views = _dist_fit(rank, world, scene, f"{root}/views",
+                      {**CKPT, "dist": {"partition": "views", "reprofile_every": 4, "max_imbalance": 100.0}})
     # a NaN on the last rank after step 5: every rank stops at the next check (step 6, a checkpoint step)
     nan = _dist_fit(rank, world, scene, f"{root}/nan", {**CKPT, "log": {"progress_every": 3, "ckpt_every": 3}},
                     nan_at=5)
-    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined, "moved": moved, "nan": nan}
+    return {"whole": whole, "paused": paused, "resumed": resumed, "refined": refined, "moved": moved, "nan": nan,
+            "views": views}
 
 
 def _three(rank: int, world: int, scene: str, root: str) -> dict:
@@ -133,13 +138,15 @@ def _assert_equal_rows(results: list[dict], expected: dict[str, torch.Tensor]) -
 def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_path):
     """W=2 (locality) and W=3 (round robin) equal one process with the same global batch; a
     sharded checkpoint resumes at W=2 bit for bit, at W=1 (plain trainer) and at W=3."""
-    for name in ("whole", "paused", "fresh3", "refined", "moved", "nan", "fp16"):
+    for name in ("whole", "paused", "fresh3", "refined", "moved", "nan", "fp16", "views"):
         (tmp_path / name).mkdir()
     runs = run_local(_stop_and_resume, 2, str(demo_scene), str(tmp_path), timeout=120)
     plain2 = _plain(demo_scene, tmp_path / "plain2", CKPT)
     _assert_equal_rows([r["whole"] for r in runs], plain2)
     _assert_equal_rows([r["moved"] for r in runs], plain2)
     assert not torch.equal(runs[0]["moved"]["order"], runs[0]["whole"]["order"])  # rows did move
+    _assert_equal_rows([r["views"] for r in runs], plain2)
+    assert not torch.equal(runs[0]["views"]["order"], runs[0]["whole"]["order"])  # not the locality rows
     rebalanced = json.loads((tmp_path / "moved" / "train_summary.json").read_text())["rebalanced_at"]
     assert rebalanced and set(rebalanced) <= {3, 6, 9}  # the agreements (progress_every 3) before the end
     assert [(r["nan"]["status"], r["nan"]["step"]) for r in runs] == [("nan", 6), ("nan", 6)]

@@ -19,7 +19,7 @@ from gstrain.dist.exchange import exchange_objects
 from gstrain.dist.partition import make_partition, morton_codes, shard_indices
 from gstrain.train.shards import merge_shards, select_rows
 
-__all__ = ["move_rows", "owners_of", "plan_order"]
+__all__ = ["move_rows", "owners_of", "plan_from_owner", "plan_order"]
 
 
 def plan_order(kind: str, means: Tensor, load: Tensor, world: int, seed: int, count_weight: float
@@ -33,8 +33,14 @@ def plan_order(kind: str, means: Tensor, load: Tensor, world: int, seed: int, co
     if kind == "locality" and world > 1:
         base = torch.argsort(morton_codes(means), stable=True)
     owner = make_partition(kind, means.index_select(0, base), load.index_select(0, base), world, seed, count_weight)
+    order, rows = plan_from_owner(owner, world)
+    return base[order], rows
+
+
+def plan_from_owner(owner: Tensor, world: int) -> tuple[Tensor, list[int]]:
+    """(order, rows per rank) of a partition given as owner [N]: each rank's rows in index order."""
     shards = shard_indices(owner, world)
-    return base[torch.cat(shards)], [len(s) for s in shards]
+    return torch.cat(shards), [len(s) for s in shards]
 
 
 def owners_of(order: Tensor, rows: list[int]) -> Tensor:

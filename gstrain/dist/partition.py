@@ -26,7 +26,7 @@ __all__ = [
     "morton_codes", "random_partition", "round_robin_partition", "shard_indices", "view_owner_counts",
 ]  # fmt: skip
 
-PARTITIONS = ("locality", "random", "round_robin")
+PARTITIONS = ("locality", "random", "round_robin", "views")  # views: gstrain/dist/view_partition.py
 MORTON_BITS = 21  # per axis: 63-bit codes fit int64
 
 
@@ -190,6 +190,8 @@ def make_partition(kind: str, means: Tensor, load: Tensor, world: int, seed: int
         return random_partition(means.shape[0], world, seed)
     if kind == "round_robin":
         return round_robin_partition(means.shape[0], world)
+    if kind == "views":
+        raise ValueError("the views partition needs the access profile: gstrain.dist.view_partition.views_plan")
     raise ValueError(f"partition must be one of {PARTITIONS}, got {kind!r}")
 
 

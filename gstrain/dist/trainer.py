@@ -36,6 +36,7 @@ from gstrain.dist.launch import collective_errors
 from gstrain.dist.migrate import move_rows, owners_of, plan_order
 from gstrain.dist.partition import AccessProfile, LoadWindow, access_profile, assign_homes, view_owner_counts
 from gstrain.dist.sharded_render import ViewBatch, render_sharded
+from gstrain.dist.view_partition import views_plan
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
 from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, to_host
@@ -115,10 +116,33 @@ class DistTrainer(Trainer):
         """(global order of the rows, rows per rank, [V, W] view-owner counts) of the model this
         rank holds whole (rank 0, at the start or a resume at another world size)."""
         prof = self._profile()
-        cfg = self.cfg
-        order, rows = plan_order(cfg.dist.partition, self.params["means"].detach().cpu(), prof.access_counts(),
-                                 self.world, cfg.train.seed, cfg.dist.count_weight)  # fmt: skip
+        order, rows = self._plan_rows(prof, self.params["means"].detach().cpu(), prof.access_counts(), 0)
         return order, rows, view_owner_counts(prof, owners_of(order, rows), self.world)
+
+    def _plan_rows(self, prof: AccessProfile, means: torch.Tensor, load: torch.Tensor, offset: int,
+                   collective: bool = False) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+        """(order, rows per rank) by dist.partition, from every row's mean and load (rank-major)
+        and the profile of this process's rows (from `offset`); `collective`: every rank plans."""
+        cfg = self.cfg
+        if cfg.dist.partition != "views":
+            return plan_order(cfg.dist.partition, means, load, self.world, cfg.train.seed, cfg.dist.count_weight)
+        reduce, gather = (self._sum_over_ranks, self._gather_rows) if collective else (lambda t: t, lambda t: t)
+        order, rows, kept = views_plan(prof, means, load, offset, self.world, cfg.dist.count_weight,
+                                       cfg.dist.max_imbalance, reduce, gather)  # fmt: skip
+        if not kept:
+            self.log(f"gstrain: dist.partition=views would leave a rank over {cfg.dist.max_imbalance}x the mean "
+                     "load or Gaussian count; partitioned by locality instead")  # fmt: skip
+        return order, rows
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        on_device = t.to(self.device)
+        dist.all_reduce(on_device)
+        return on_device.cpu()
+
+    def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, t)
+        return torch.cat(parts)
 
     def _distribute(self) -> None:
         """Every rank holds the whole model: rank 0 plans, each rank keeps its rows."""
@@ -141,11 +165,9 @@ class DistTrainer(Trainer):
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, (self.params["means"].detach().cpu(), prof.access_counts()))
         sizes = [len(m) for m, _ in parts]
-        cfg = self.cfg
-        order, rows = plan_order(cfg.dist.partition, torch.cat([m for m, _ in parts]),
-                                 torch.cat([load for _, load in parts]), self.world, cfg.train.seed,
-                                 cfg.dist.count_weight)  # fmt: skip
         offset = sum(sizes[: self.rank])
+        order, rows = self._plan_rows(prof, torch.cat([m for m, _ in parts]), torch.cat([load for _, load in parts]),
+                                      offset, collective=True)  # fmt: skip
         mine = owners_of(order, rows)[offset : offset + sizes[self.rank]]
         counts = view_owner_counts(prof, mine, self.world).to(self.device)  # my rows' share, summed
         dist.all_reduce(counts)
