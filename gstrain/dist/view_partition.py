@@ -59,10 +59,17 @@ def view_groups(prof: AccessProfile, means: Tensor, world: int, reduce: Reduce) 
 
 
 def _votes(prof: AccessProfile, groups: Tensor, world: int, fallback: Tensor) -> Tensor:
-    """owner [N]: the group whose views touch each Gaussian most (ties: the lower group)."""
+    """owner [N]: the group whose views touch each Gaussian most (ties: the lower group).
+
+    Sparse over the (Gaussian, group) pairs that occur: a dense [N, W] table would be 10 GB at
+    10M Gaussians and W=128."""
     key = prof.ids.long() * world + groups.index_select(0, prof.view_of_entries())
-    votes = torch.bincount(key, minlength=prof.n * world).view(prof.n, world)
-    return torch.where(votes.sum(1) > 0, votes.argmax(1), fallback)
+    pairs, votes = torch.unique(key, return_counts=True)
+    gaussian, group = pairs // world, pairs % world
+    # more votes first, then the lower group: world - group lies in 1..world, below world + 1
+    score = votes * (world + 1) + (world - group)
+    best = torch.full((prof.n,), -1, dtype=torch.int64).scatter_reduce(0, gaussian, score, "amax")
+    return torch.where(best >= 0, world - best % (world + 1), fallback)
 
 
 def view_owners(prof: AccessProfile, means: Tensor, world: int, fallback: Tensor,
