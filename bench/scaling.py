@@ -11,7 +11,7 @@ views per second (steps · batch / seconds), the test PSNR / SSIM, the Gaussian 
 memory of rank 0 and rank 0's exchange bytes per step; the table puts them side by side with
 the time ratio against the one-process run of the same batch. Seeds repeat the whole grid.
 
-    python -m bench.scaling SCENE --world 1,2,4,8 --partitions locality,random,round_robin \
+    python -m bench.scaling SCENE --world 1,2,4,8 --partitions locality,views,random,round_robin \
         --steps 7000 --views-per-rank 1 --seeds 0 [--extra "--set dist.compress=fp16"] [--device cpu]
 
 --device cpu (gloo) is the dry run this machine can make; on one GPU, `--extra "--set
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("scene", type=Path)
     ap.add_argument("--world", default="1,2,4,8", help="process counts, comma-separated")
-    ap.add_argument("--partitions", default="locality,random,round_robin")
+    ap.add_argument("--partitions", default="locality,views,random,round_robin")
     ap.add_argument("--steps", type=int, default=7000)
     ap.add_argument("--views-per-rank", type=int, default=1, help="b: the global batch is W·b")
     ap.add_argument("--seeds", default="0", help="comma-separated")

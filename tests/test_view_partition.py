@@ -29,6 +29,13 @@ def test_views_by_hand() -> None:
         assert view_owners(prof, means, 2, fallback, regroupings=regroupings).tolist() == [0, 0, 0, 1, 1, 1]
 
 
+def test_more_ranks_than_views_falls_back_to_locality() -> None:
+    means, _ = _line()  # 2 views for 8 ranks: six groups get no view, their ranks no rows
+    prof = AccessProfile.from_lists([torch.tensor([0, 1, 2]), torch.tensor([3, 4])], 6)
+    order, rows, kept = views_plan(prof, means, prof.access_counts(), 0, 8, 0.5)
+    assert not kept and sum(rows) == 6 and sorted(order.tolist()) == list(range(6))
+
+
 def test_guard_by_hand() -> None:
     load = torch.tensor([4.0, 4.0, 1.0, 1.0])
     skewed = torch.tensor([0, 0, 0, 1])  # loads 9 / 1 (max/mean 1.8), counts 3 / 1 (1.5)

@@ -37,6 +37,8 @@ Reduce = Callable[[Tensor], Tensor]  # sums a tensor over the ranks (identity in
 def _bisect(points: Tensor, ids: Tensor, parts: int) -> list[Tensor]:
     if parts == 1:
         return [ids]
+    if ids.numel() == 0:  # more ranks than views: some groups stay empty
+        return [ids] * parts
     p = points.index_select(0, ids)
     axis = int((p.max(0).values - p.min(0).values).argmax())
     order = ids[torch.argsort(p[:, axis], stable=True)]
