@@ -44,6 +44,12 @@ def test_guard_by_hand() -> None:
     assert guarded(skewed, fallback, load, 2, limit=1.5) == (fallback, False)
     owner, kept = guarded(skewed, fallback, load, 2, limit=1.8)
     assert kept and owner is skewed
+    # beyond the limit a partition stays only if no less balanced than its fallback: 1.8 against a
+    # fallback at 1.6 falls back, 1.6 against a fallback at 1.8 stays
+    worse = torch.tensor([0, 0, 1, 1])  # loads 8 / 2
+    assert imbalance(worse, load, 2) == 1.6
+    assert guarded(skewed, worse, load, 2, limit=1.5) == (worse, False)
+    assert guarded(worse, skewed, load, 2, limit=1.5) == (worse, True)
 
 
 def _city_like() -> tuple[torch.Tensor, AccessProfile]:

@@ -11,8 +11,8 @@ Where views see small parts of the scene (a city walked street by street) this k
 view's Gaussians on its home: 0.098x round robin's bytes at W=8 on the generated 10M city,
 against 0.158x for locality (bench/dist_views.py). Where every view sees most of the scene the
 groups mean little and one rank can collect most of the load (garden: 5.7x the mean), so a
-partition leaving any rank over MAX_IMBALANCE times the mean load or Gaussian count falls back
-to the locality partition (`guarded`).
+partition leaving a rank over MAX_IMBALANCE times the mean load or Gaussian count (and less
+balanced than locality) falls back to the locality partition (`guarded`).
 
 view_owners works on the whole model (one process) or on each rank's own rows during training,
 where `reduce` sums the per-view tensors over the ranks: both give the same owners.
@@ -98,8 +98,10 @@ def imbalance(owner: Tensor, load: Tensor, world: int) -> float:
 
 def guarded(owner: Tensor, fallback: Tensor, load: Tensor, world: int,
             limit: float = MAX_IMBALANCE) -> tuple[Tensor, bool]:  # fmt: skip
-    """(owner, True) when it keeps every rank within `limit` x the mean; else (fallback, False)."""
-    if imbalance(owner, load, world) <= limit:
+    """(owner, True) when it keeps every rank within `limit` x the mean, or no less balanced than
+    the fallback (the locality cut itself passes 1.5x the mean count at many ranks); else
+    (fallback, False)."""
+    if imbalance(owner, load, world) <= max(limit, imbalance(fallback, load, world)):
         return owner, True
     return fallback, False
 
