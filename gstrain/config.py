@@ -146,7 +146,7 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     rebalance_window: int = 500
     # locality cuts balance (1 - w) * load + w * count: 0 = views' load only (uneven memory), 1 = counts
     count_weight: float = 0.5
-    # partition=views falls back to locality when it would leave a rank over this x the mean load or count
+    # partition=views falls back to locality beyond this x the mean load or count (unless locality is worse)
     max_imbalance: float = 1.5
     always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
