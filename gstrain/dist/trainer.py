@@ -131,7 +131,7 @@ class DistTrainer(Trainer):
                                        cfg.dist.max_imbalance, reduce, gather)  # fmt: skip
         if not kept:
             self.log(f"gstrain: dist.partition=views would leave a rank over {cfg.dist.max_imbalance}x the mean "
-                     "load or Gaussian count; partitioned by locality instead")  # fmt: skip
+                     "load or Gaussian count, worse than locality; partitioned by locality instead")  # fmt: skip
         return order, rows
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
