@@ -97,3 +97,17 @@ def test_collective_plan_equals_whole_model_plan() -> None:
     assert owner.tolist() == [0] * 28 + [1] * 20
     for got in run_local(_collective, 2, timeout=30):
         assert got == (order.tolist(), rows, kept)
+
+
+def test_sparse_votes_equal_dense_votes(monkeypatch) -> None:
+    import gstrain.dist.view_partition as vp
+
+    g = torch.Generator().manual_seed(9)
+    means = torch.rand(300, 3, generator=g) * 10
+    seen = [torch.nonzero((means - means[i * 25]).norm(dim=1) < 4).squeeze(1) for i in range(12)]
+    prof = AccessProfile.from_lists(seen, 300)
+    fallback = torch.randint(0, 4, (300,), generator=g)
+    dense = view_owners(prof, means, 4, fallback)
+    monkeypatch.setattr(vp, "DENSE_VOTES_MAX", 0)  # every table "too large": the sparse path
+    assert torch.equal(view_owners(prof, means, 4, fallback), dense)
+    assert len(set(dense.tolist())) > 1  # not a trivial partition

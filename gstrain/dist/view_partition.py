@@ -30,6 +30,7 @@ from gstrain.dist.partition import AccessProfile, assign_homes, locality_partiti
 
 REGROUPINGS = 3
 MAX_IMBALANCE = 1.5  # max / mean of the ranks' load or Gaussian count that `views` may leave
+DENSE_VOTES_MAX = 1 << 26  # votes counted in a dense [N, W] int64 table up to this size (512 MB)
 
 Reduce = Callable[[Tensor], Tensor]  # sums a tensor over the ranks (identity in one process)
 
@@ -48,11 +49,12 @@ def _bisect(points: Tensor, ids: Tensor, parts: int) -> list[Tensor]:
 
 def view_groups(prof: AccessProfile, means: Tensor, world: int, reduce: Reduce) -> Tensor:
     """[V] int64: W equal groups of views by recursive bisection of their centroids."""
-    vid, ids = prof.view_of_entries(), prof.ids.long()
     sums = torch.zeros(prof.n_views, 4, dtype=torch.float64)
-    ones = torch.ones(ids.numel(), 1, dtype=torch.float64)
-    points = torch.cat([means.detach().double().index_select(0, ids), ones], 1)
-    sums = reduce(sums.index_add_(0, vid, points))  # position sums and counts over every rank's rows
+    pts = means.detach().double()
+    for v in range(prof.n_views):  # view by view: gathering every (view, Gaussian) pair at once costs GBs
+        sums[v, :3] = pts.index_select(0, prof.view(v).long()).sum(0)
+    sums[:, 3] = prof.ptr.diff().double()
+    sums = reduce(sums)  # position sums and counts over every rank's rows
     centres = sums[:, :3] / sums[:, 3:].clamp_min(1.0)
     groups = torch.empty(prof.n_views, dtype=torch.int64)
     for r, members in enumerate(_bisect(centres, torch.arange(prof.n_views), world)):
@@ -63,9 +65,12 @@ def view_groups(prof: AccessProfile, means: Tensor, world: int, reduce: Reduce) 
 def _votes(prof: AccessProfile, groups: Tensor, world: int, fallback: Tensor) -> Tensor:
     """owner [N]: the group whose views touch each Gaussian most (ties: the lower group).
 
-    Sparse over the (Gaussian, group) pairs that occur: a dense [N, W] table would be 10 GB at
-    10M Gaussians and W=128."""
+    A dense [N, W] table up to DENSE_VOTES_MAX entries, else sparse over the (Gaussian, group)
+    pairs that occur: the table would be 10 GB at 10M Gaussians and W=128."""
     key = prof.ids.long() * world + groups.index_select(0, prof.view_of_entries())
+    if prof.n * world <= DENSE_VOTES_MAX:  # a dense table is much faster than sorting the pairs
+        votes = torch.bincount(key, minlength=prof.n * world).view(prof.n, world)
+        return torch.where(votes.sum(1) > 0, votes.argmax(1), fallback)
     pairs, votes = torch.unique(key, return_counts=True)
     gaussian, group = pairs // world, pairs % world
     # more votes first, then the lower group: world - group lies in 1..world, below world + 1
