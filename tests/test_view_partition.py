@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from gstrain.dist.local import run_local
+from gstrain.dist.migrate import plan_order
 from gstrain.dist.partition import AccessProfile
 from gstrain.dist.view_partition import guarded, imbalance, view_groups, view_owners, views_plan
 
@@ -34,6 +35,8 @@ def test_more_ranks_than_views_falls_back_to_locality() -> None:
     prof = AccessProfile.from_lists([torch.tensor([0, 1, 2]), torch.tensor([3, 4])], 6)
     order, rows, kept = views_plan(prof, means, prof.access_counts(), 0, 8, 0.5)
     assert not kept and sum(rows) == 6 and sorted(order.tolist()) == list(range(6))
+    locality = plan_order("locality", means, prof.access_counts(), 8, 0, 0.5)  # the fall-back is that plan
+    assert torch.equal(order, locality[0]) and rows == locality[1]
 
 
 def test_guard_by_hand() -> None:

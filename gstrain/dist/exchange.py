@@ -108,7 +108,7 @@ class _Exchange(torch.autograd.Function):
         got = _all_to_all_rows(msg, send, recv, group)
         cols, byte = [], 0
         for n, dt in segments:
-            width = n * torch.empty((), dtype=dt).element_size()
+            width = n * dt.itemsize
             cols.append(got[:, byte : byte + width].contiguous().view(dt).to(payload.dtype))
             byte += width
         out = torch.cat(cols, 1) if len(cols) > 1 else cols[0]

@@ -48,7 +48,7 @@ def grad_wire_dtype(dtype: torch.dtype, compress: str) -> torch.dtype:
 
 
 def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def forward_record_bytes(dtype: torch.dtype = torch.float32, compress: str = "none") -> int:

@@ -163,7 +163,6 @@ def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int,
                          pairs=sum_pairs(pairs))  # fmt: skip
 
 
-
 def render_sharded(
     shard: Mapping[str, Tensor],
     batch: ViewBatch,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gstrain.dist.migrate import plan_from_owner
+from gstrain.dist.migrate import plan_from_owner, plan_order
 from gstrain.dist.partition import AccessProfile, assign_homes, locality_partition, view_owner_counts
 
 REGROUPINGS = 3
@@ -123,5 +123,7 @@ def views_plan(prof: AccessProfile, means: Tensor, load: Tensor, offset: int, wo
     rows = slice(offset, offset + prof.n)
     mine = view_owners(prof, means[rows], world, fallback[rows], reduce)
     owner, kept = guarded(gather(mine), fallback, load, world, limit)
+    if not kept:  # exactly dist.partition=locality's plan (its shards in Morton order)
+        return (*plan_order("locality", means, load, world, 0, count_weight), False)
     order, sizes = plan_from_owner(owner, world)
-    return order, sizes, kept
+    return order, sizes, True
