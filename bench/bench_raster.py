@@ -128,14 +128,14 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
     v_alpha = torch.randn(c, height, width, 1, device="cuda", generator=gen)
     common = (means2d, conics, colors, opac, None, width, height, 16, offsets, flatten_ids)
 
-    image, alpha, t_final, last_ids = ext.rasterize_fwd(*common)
+    image, alpha, t_final, last_ids = ext.rasterize_fwd(*common, None)
     g_colors, g_alphas, g_last = gsplat_fn("rasterize_to_pixels_3dgs_fwd")(
         means2d, conics, colors, opac, None, None, width, height, 16, offsets, flatten_ids
     )
 
     def ours(threshold: int, vector: bool, scatter: bool = True):
         return lambda: ext.rasterize_bwd(
-            *common, t_final, last_ids, v_image, v_alpha, False, threshold, vector, scatter
+            *common, t_final, last_ids, v_image, v_alpha, False, threshold, vector, scatter, None
         )  # fmt: skip
 
     def peer():
@@ -167,7 +167,7 @@ def bench_case(ext, gsplat_fn, wl: dict, factor: int, data: dict, args, layouts:
         "layouts": {},
     }
     res["fwd_ms"] = {
-        "ours": statistics.median(time_calls(lambda: ext.rasterize_fwd(*common), 2, args.reps)),
+        "ours": statistics.median(time_calls(lambda: ext.rasterize_fwd(*common, None), 2, args.reps)),
         "gsplat": statistics.median(
             time_calls(
                 lambda: gsplat_fn("rasterize_to_pixels_3dgs_fwd")(
@@ -241,12 +241,12 @@ def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bo
     with torch.no_grad():
         kept = culled_intersection(ext, means2d, radii, depths, conics, opac, width, height, tile)
     culled = (means2d, conics, colors, opac, bg, width, height, tile, kept.isect_offsets, kept.flatten_ids)
-    fwd_full = ext.rasterize_fwd(*common)
-    fwd_cull = ext.rasterize_fwd(*culled)
+    fwd_full = ext.rasterize_fwd(*common, None)
+    fwd_cull = ext.rasterize_fwd(*culled, None)
     image_err = rel(fwd_cull[0], fwd_full[0])
 
     def bwd(args: tuple, fwd: tuple, threshold: int):
-        return ext.rasterize_bwd(*args, fwd[2], fwd[3], v_image, v_alpha, False, threshold, vector, scatter)
+        return ext.rasterize_bwd(*args, fwd[2], fwd[3], v_image, v_alpha, False, threshold, vector, scatter, None)
 
     full_g, cull_g = bwd(common, fwd_full, 1), bwd(culled, fwd_cull, 1)
     grad_err = max(rel(a, b) for a, b in zip(cull_g[:4], full_g[:4], strict=True))
@@ -255,7 +255,7 @@ def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bo
     return {
         "pairs_before": kept.pairs_before,
         "pairs_after": kept.pairs_after,
-        "fwd_ms": statistics.median(time_calls(lambda: ext.rasterize_fwd(*culled), 2, reps)),
+        "fwd_ms": statistics.median(time_calls(lambda: ext.rasterize_fwd(*culled, None), 2, reps)),
         "arc_ms": statistics.median(time_calls(lambda: bwd(culled, fwd_cull, chosen), 3, reps)),
         "arc_threshold": chosen,
         "vs_unculled_rel_err": {"image": image_err, "grads": grad_err},

@@ -101,7 +101,7 @@ def step_kernels_case(gen: torch.Generator) -> int:
     grad = torch.randn(n, 2, generator=gen).cuda()
     radii = torch.randint(0, 3, (n, 2), generator=gen, dtype=torch.int32).cuda()
     grad2d, count = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
-    build_all(["step_ops"])["step_ops"].grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count)
+    build_all(["step_ops"])["step_ops"].grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count, None)
     torch.cuda.synchronize()
     if not all(torch.isfinite(p).all() for p in params) or not torch.isfinite(grad2d).all():
         print("sanitize case: non-finite values from the step kernels")

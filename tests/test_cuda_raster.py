@@ -331,6 +331,7 @@ def test_forward_is_deterministic_and_writes_every_pixel() -> None:
         16,
         offsets,
         flatten_ids,
+        None,
     )
     a = ext.rasterize_fwd(*args)
     b = ext.rasterize_fwd(*args)

@@ -17,6 +17,7 @@ from gstrain.render.common import RasterOptions
 
 # backends that run gsplat's projection and a CUDA rasterizer (ours or gsplat's)
 CUDA_BACKENDS = ("cuda", "gsplat")
+RETUNE_CHANGE = 0.2  # ARC re-tunes after densification once the population moved by this fraction
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -43,6 +44,7 @@ class Renderer:
         self.cfg = cfg
         self.absgrad = absgrad
         self.tuner = None
+        self._tuned_count: int | None = None  # population when ARC last started a round
         if backend == "cuda":
             from gstrain.render.arc import ArcTuner
             from gstrain.render.cuda import ensure_built
@@ -109,10 +111,16 @@ class Renderer:
         covered = alpha > 1.0 / 255.0
         return torch.where(covered, acc / alpha.clamp_min(1e-10), torch.zeros_like(acc))
 
-    def gaussians_changed(self) -> None:
-        """Densification changed the population: the best atomic threshold may have moved."""
-        if self.tuner is not None:
-            self.tuner.invalidate()
+    def gaussians_changed(self, count: int | None = None) -> None:
+        """Densification changed the population: the best atomic threshold may have moved. With
+        the population's size, ARC re-tunes only once it has moved RETUNE_CHANGE from the last
+        round's (a round is ~19 backward calls that a CUDA-graph step cannot make)."""
+        if self.tuner is None:
+            return
+        if count is not None and self._tuned_count and abs(count / self._tuned_count - 1.0) < RETUNE_CHANGE:
+            return
+        self._tuned_count = count
+        self.tuner.invalidate()
 
     @property
     def atomic_threshold(self) -> int | None:

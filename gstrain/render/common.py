@@ -20,6 +20,8 @@ class RasterOptions:
     backward's reduction (config.ATOMIC_MODES). tuner: arc's ArcTuner (None: the process-wide
     one). vector_atomics: None = our default for the mode. ellipse_cull: drop the (Gaussian, tile)
     pairs whose alpha is provably < 1/255 on the whole tile before either rasterizer runs.
+    pair_budget: a render/isect.PairBudget makes the culled intersection sync-free (fixed-capacity
+    pair buffers, the count kept on the device), as a CUDA-graph step needs.
     """
 
     absgrad: bool = False
@@ -29,6 +31,7 @@ class RasterOptions:
     vector_atomics: bool | None = None
     gsplat_raster: bool = False
     ellipse_cull: bool = False
+    pair_budget: Any = None  # gstrain.render.isect.PairBudget
 
 
 DEFAULT_OPTIONS = RasterOptions()  # our kernels, arc, no absgrad

@@ -26,6 +26,7 @@ from gstrain.cuda_build import check_toolchain, gencode_flags, load_extension
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strategy_info
+from gstrain.render.isect import PairBudget, capped_intersection
 from gstrain.render.projection import camera_centre
 
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
@@ -111,6 +112,7 @@ class _RasterizeCuda(torch.autograd.Function):
         flatten_ids: Tensor,
         absgrad: bool,
         plan: _BackwardPlan,
+        n_isects: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         ext = ensure_built()
         image, alpha, t_final, last_ids = ext.rasterize_fwd(
@@ -124,9 +126,10 @@ class _RasterizeCuda(torch.autograd.Function):
             tile_size,
             isect_offsets,
             flatten_ids,
+            n_isects,
         )
         ctx.save_for_backward(
-            means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, t_final, last_ids
+            means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, t_final, last_ids, n_isects
         )
         ctx.dims = (width, height, tile_size)
         ctx.absgrad = absgrad
@@ -135,9 +138,8 @@ class _RasterizeCuda(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, v_image: Tensor, v_alpha: Tensor) -> tuple[Tensor | None, ...]:
-        (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, t_final, last_ids) = (
-            ctx.saved_tensors
-        )
+        (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, t_final, last_ids,
+         n_isects) = ctx.saved_tensors  # fmt: skip
         width, height, tile_size = ctx.dims
         plan: _BackwardPlan = ctx.plan
         probe = None
@@ -168,6 +170,7 @@ class _RasterizeCuda(torch.autograd.Function):
             threshold,
             plan.vector,
             plan.scatter,
+            n_isects,
         )
         if probe is not None:
             probe.stop()
@@ -176,7 +179,7 @@ class _RasterizeCuda(torch.autograd.Function):
         v_bg = None
         if backgrounds is not None and ctx.needs_input_grad[4]:
             v_bg = (v_image * t_final.unsqueeze(-1)).sum(dim=(1, 2))
-        return (v_means2d, v_conics, v_colors, v_opacities, v_bg) + (None,) * 7
+        return (v_means2d, v_conics, v_colors, v_opacities, v_bg) + (None,) * 8
 
 
 def rasterize_cuda(
@@ -196,10 +199,14 @@ def rasterize_cuda(
     tuner: ArcTuner | None = None,
     vector_atomics: bool | None = None,
     scatter_reduce: bool | None = None,
+    n_isects: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Composite projected Gaussians: means2d [C,N,2], conics [C,N,3], colors [C,N,ch],
     opacities [C,N], isect_offsets [C,th,tw], flatten_ids [M] (gsplat's non-packed outputs),
     backgrounds [C,ch] -> image [C,H,W,ch], alpha [C,H,W,1].
+
+    n_isects ([1] int32 on the device): flatten_ids is a capacity whose first n_isects entries
+    are the pairs (the sync-free intersection, isect.capped_intersection).
 
     With absgrad, means2d.absgrad holds sum over pixels of |dL/dmeans2d| after backward.
     scatter_reduce: how a warp reduces (None: SCATTER_REDUCE_DEFAULT); same sums either way.
@@ -234,6 +241,7 @@ def rasterize_cuda(
         flatten_ids.contiguous(),
         bool(absgrad),
         plan,
+        n_isects,
     )
 
 
@@ -250,12 +258,13 @@ class Splats:
     flatten_ids: Tensor  # [M]
     width: int
     height: int
-    pairs: tuple[int, int] = (0, 0)  # (Gaussian, tile) pairs from isect_tiles, and after the cull
+    pairs: tuple[int, int] | None = (0, 0)  # (Gaussian, tile) pairs from isect_tiles, and after the cull
+    n_isects: Tensor | None = None  # [1] int32 on the device when flatten_ids is a capacity (budget)
 
 
 def project_splats(
     params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
-    ellipse_cull: bool = False, cull_kernel: bool = True,
+    ellipse_cull: bool = False, cull_kernel: bool = True, budget: PairBudget | None = None,
 ) -> Splats:
     """gsplat's public projection and tile intersection for one camera; with ellipse_cull, the
     pairs whose alpha is provably < 1/255 on their whole tile are dropped (intersect_splats)."""
@@ -266,6 +275,11 @@ def project_splats(
         viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
     )  # fmt: skip
     opacities = torch.sigmoid(params["opacities"])[None]
+    if budget is not None and ellipse_cull:
+        kept = capped_intersection(ensure_built(), means2d, radii, depths, conics, opacities, width, height,
+                                   TILE_SIZE, budget)  # fmt: skip
+        return Splats(means2d, conics, depths, radii, opacities, kept.isect_offsets, kept.flatten_ids, width, height,
+                      None, kept.n_isects)  # fmt: skip
     return intersect_splats(means2d, conics, opacities, radii, depths, width, height, ellipse_cull, cull_kernel)
 
 
@@ -341,7 +355,7 @@ def rasterize_splats(
         splats.means2d, conics, colors, splats.opacities, splats.width, splats.height, TILE_SIZE,
         splats.isect_offsets, splats.flatten_ids, backgrounds=backgrounds, absgrad=options.absgrad,
         atomic_mode=options.atomic_mode, atomic_threshold=options.atomic_threshold, tuner=options.tuner,
-        vector_atomics=options.vector_atomics,
+        vector_atomics=options.vector_atomics, n_isects=splats.n_isects,
     )  # fmt: skip
 
 
@@ -362,7 +376,8 @@ def render_cuda(
     intersection), raster_fwd, and raster_bwd (the rasterizer's share of backward).
     """
     with phase(timer, "projection"):
-        splats = project_splats(params, viewmat, K, width, height, options.ellipse_cull)
+        splats = project_splats(params, viewmat, K, width, height, options.ellipse_cull,
+                                budget=options.pair_budget)  # fmt: skip
         colors = splat_colors(params, viewmat, sh_degree, splats.radii)
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
@@ -371,7 +386,9 @@ def render_cuda(
         if span is not None:
             image = span.output(image)
     info = strategy_info(splats.means2d, splats.radii, splats.depths, splats.conics, width, height, TILE_SIZE)
-    info["isect_pairs"] = splats.pairs  # host ints (before, after the cull): reading them costs no sync
+    # host ints (before, after the cull): reading them costs no sync; None with a pair budget (counted
+    # on the device, PairBudget.pair_sum)
+    info["isect_pairs"] = splats.pairs
     return image[0], alpha[0], info
 
 

@@ -5,16 +5,55 @@ Here our kernels (csrc/isect.cu) apply the same test while making the pairs: a c
 (camera, Gaussian), a prefix sum, a fill pass writing gsplat's isect_ids layout, a stable radix
 sort, and gsplat's isect_offset_encode. The result equals isect_tiles + cull_pairs exactly
 (tests/test_cull.py checks it) and costs one host sync, for the pair count.
+
+capped_intersection is the same without that sync (a CUDA-graph step cannot read a count back):
+the pairs go into buffers of a fixed capacity, the sort covers the whole capacity (padding keys
+sort last), and the real count stays on the device, where the rasterizer reads it. A view with
+more pairs than the capacity is not rendered approximately: it sets PairBudget.flag, which makes
+the step's Adam and statistics kernels no-ops, and the host redoes the step with a larger budget.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from gstrain.render.cull import CulledPairs
+
+
+@dataclass
+class PairBudget:
+    """Fixed-capacity pair buffers' bookkeeping on the device (see the module docstring).
+
+    tag [1] float32: the step's number + 1, written by the host before each step; flag [1] int32:
+    0, or the tag of the first step whose pairs overflowed (sticky until the host clears it);
+    pair_sum [3] int64: pairs before / after the cull summed over steps that fit, and the most
+    pairs one view kept (overflowed ones included).
+    """
+
+    capacity: int
+    tag: Tensor
+    flag: Tensor
+    pair_sum: Tensor
+
+    @classmethod
+    def on(cls, device: torch.device, capacity: int, tag: Tensor | None = None) -> PairBudget:
+        tag = torch.ones(1, device=device) if tag is None else tag
+        return cls(int(capacity), tag, torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.zeros(3, dtype=torch.int64, device=device))  # fmt: skip
+
+
+@dataclass
+class CappedPairs:
+    """capped_intersection's pairs: isect_offsets [C,th,tw], flatten_ids [capacity] (the first
+    n_isects real), n_isects [1] int32 on the device."""
+
+    isect_offsets: Tensor
+    flatten_ids: Tensor
+    n_isects: Tensor
 
 
 @torch.no_grad()
@@ -49,3 +88,29 @@ def culled_intersection(
     tiles_y = (height + tile_size - 1) // tile_size
     offsets = isect_offset_encode(isect_ids, means2d.shape[0], tiles_x, tiles_y)
     return CulledPairs(offsets, flatten_ids, int(before), int(after))
+
+
+@torch.no_grad()
+def capped_intersection(
+    ext: ModuleType,
+    means2d: Tensor,
+    radii: Tensor,
+    depths: Tensor,
+    conics: Tensor,
+    opacities: Tensor,
+    width: int,
+    height: int,
+    tile_size: int,
+    budget: PairBudget,
+) -> CappedPairs:
+    """culled_intersection's pairs with no host sync, into budget.capacity slots."""
+    means2d, radii = means2d.float().contiguous(), radii.int().contiguous()
+    conics, opacities = conics.float().contiguous(), opacities.float().contiguous()
+    size = (int(width), int(height), int(tile_size))
+    counts, totals = ext.isect_count(means2d, radii, conics, opacities, *size)
+    cum = torch.cumsum(counts, 0, dtype=torch.int64)
+    offsets, flatten_ids, n_isects = ext.isect_fill_capped(
+        means2d, radii, depths.float().contiguous(), conics, opacities, cum, totals, budget.capacity,
+        budget.tag, budget.flag, budget.pair_sum, *size,
+    )  # fmt: skip
+    return CappedPairs(offsets, flatten_ids, n_isects)

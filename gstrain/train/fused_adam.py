@@ -12,6 +12,11 @@ on the host and passed to the kernel: no device scalar, no sync.
 
 With `visible` (a [N] bool mask of the Gaussians drawn this step), the update is sparse: the
 rows of Gaussians off screen keep their parameters and moments (gsplat's SelectiveAdam rule).
+
+In a CUDA graph the kernel's arguments are frozen, so a graph step passes `scalars`: a device
+tensor the host refills before each replay with advance()'s values (the same step sizes and bias
+corrections), and `skip`, a device flag that turns the launch into a no-op (an overflowed
+intersection, see render/isect.py). rewind() takes back advance()'s steps of skipped replays.
 """
 
 from __future__ import annotations
@@ -50,14 +55,20 @@ class FusedAdam:
     def __init__(self) -> None:
         self.ext = ensure_built()
 
-    def step(self, optimizers: dict[str, torch.optim.Optimizer], visible: Tensor | None = None) -> None:
-        """One Adam step of every optimizer whose parameter has a gradient; then grads are set to None."""
+    def step(self, optimizers: dict[str, torch.optim.Optimizer], visible: Tensor | None = None,
+             scalars: Tensor | None = None, skip: Tensor | None = None) -> None:  # fmt: skip
+        """One Adam step of every optimizer whose parameter has a gradient; then grads are set to None.
+
+        With `scalars` (a graph step) the step counts are not advanced here: advance() does it on
+        the host before each replay and fills `scalars`, in graph_order()'s order."""
         params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2 = [], [], [], [], [], []
         beta1 = beta2 = eps = None
         for opt in optimizers.values():
             group = opt.param_groups[0]
             p = group["params"][0]
             g = p.grad
+            if g is None and scalars is not None:
+                raise ValueError(f"{group.get('name', '?')} has no gradient: a graph step updates every tensor")
             if g is None:
                 continue
             betas = group["betas"]
@@ -67,6 +78,8 @@ class FusedAdam:
                 and (beta1 is None or (betas == (beta1, beta2) and group["eps"] == eps))
                 and (visible is None or (p.dim() >= 1 and p.shape[0] == visible.shape[0]))
             )  # fmt: skip
+            if not eligible and scalars is not None:
+                raise ValueError(f"{group.get('name', '?')}: a graph step needs every tensor on the fused path")
             if not eligible:
                 # anything unusual takes torch's own path; its fused kernel wants `step` on the
                 # parameter's device, where FusedAdam keeps it on the host
@@ -84,8 +97,9 @@ class FusedAdam:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             step_t = _host_step(state)
-            step_t += 1
-            step = float(step_t)
+            if scalars is None:
+                step_t += 1
+            step = float(step_t) if scalars is None else 1.0  # a graph reads the device scalars
             params.append(p.detach())
             grads.append(g)
             exp_avgs.append(state["exp_avg"])
@@ -95,4 +109,30 @@ class FusedAdam:
             p.grad = None
         if params:
             self.ext.adam_step(params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2,
-                               float(beta1), float(beta2), float(eps), visible)  # fmt: skip
+                               float(beta1), float(beta2), float(eps), visible, scalars, skip)  # fmt: skip
+
+
+def graph_order(optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The optimizers a graph step updates, in FusedAdam.step's order (every one of a model: each
+    parameter gets a gradient every step)."""
+    return list(optimizers.values())
+
+
+def advance(optimizers: dict[str, torch.optim.Optimizer]) -> list[float]:
+    """Count one Adam step on the host for each optimizer; its (step size, 1/sqrt(bc2)) pairs,
+    flat, in graph_order: what FusedAdam.step computes before its launch."""
+    out: list[float] = []
+    for opt in graph_order(optimizers):
+        group = opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        step_t = _host_step(opt.state[group["params"][0]])
+        step_t += 1
+        step = float(step_t)
+        out += [group["lr"] / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step)]
+    return out
+
+
+def rewind(optimizers: dict[str, torch.optim.Optimizer], steps: int) -> None:
+    """Take back `steps` of advance()'s counts (replays whose update was skipped)."""
+    for opt in graph_order(optimizers):
+        _host_step(opt.state[opt.param_groups[0]["params"][0]]).sub_(steps)

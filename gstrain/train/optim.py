@@ -51,6 +51,11 @@ class ExponentialDecay:
         self.steps_done += 1
         self._apply()
 
+    def rewind(self, steps: int) -> None:
+        """Take back `steps` steps (CUDA-graph replays whose update was skipped and is redone)."""
+        self.steps_done -= int(steps)
+        self._apply()
+
     def _apply(self) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * self.gamma**self.steps_done

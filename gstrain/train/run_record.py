@@ -50,6 +50,7 @@ class RunRecord:
     pairs_before: int = 0
     pairs_after: int = 0  # after render.ellipse_cull (equal to pairs_before without it)
     pairs_views: int = 0
+    graphs: dict[str, int] | None = None  # train.cuda_graphs: captures, graph steps, redos, capacity
 
     def add_pairs(self, pairs: tuple[int, int, int] | None) -> None:
         if pairs is not None:
@@ -114,6 +115,8 @@ def write_run_record(
     if record.pairs_views:  # per rendered training view, mean over the run
         summary["isect_pairs_per_view"] = {"before_cull": round(record.pairs_before / record.pairs_views),
                                            "after_cull": round(record.pairs_after / record.pairs_views)}
+    if record.graphs is not None:
+        summary["cuda_graphs"] = dict(record.graphs)
     if record.rebalanced_at:
         summary["rebalanced_at"] = list(record.rebalanced_at)
     if record.comm_sent or record.comm_received:  # the writing rank's own exchange, per step

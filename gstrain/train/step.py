@@ -89,6 +89,8 @@ class StepRunner:
 
             self.fused_adam = FusedAdam()
         self.sparse_adam = bool(cfg.optim.sparse_adam) and self.fused_adam is not None
+        # (scalars, skip flag) while a CUDA graph of the step is captured (train/graph_step.py)
+        self.graph_adam: tuple[Tensor, Tensor] | None = None
 
     def run(
         self,
@@ -172,7 +174,7 @@ class StepRunner:
             means_lr = optimizers["means"].param_groups[0]["lr"]
             changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)
         if changed:
-            self.renderer.gaussians_changed()
+            self.renderer.gaussians_changed(len(params["means"]))
         timer.step_done()
         return changed
 
@@ -184,4 +186,5 @@ class StepRunner:
             return
         # drawn by any of the step's views (radii [B,N,2])
         visible = (info["radii"] > 0).all(dim=-1).any(0) if self.sparse_adam else None
-        self.fused_adam.step(optimizers, visible)
+        scalars, skip = self.graph_adam if self.graph_adam is not None else (None, None)
+        self.fused_adam.step(optimizers, visible, scalars=scalars, skip=skip)

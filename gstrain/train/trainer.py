@@ -5,8 +5,6 @@ checkpoints, Ctrl-C and NaN safety. The trainer owns the loop; the modules it ca
 from __future__ import annotations
 
 import math
-import random
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -23,91 +21,17 @@ from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
 from gstrain.render.sh import sh_degree_at
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
+from gstrain.train.graph_step import GraphSteps, graphs_possible
 from gstrain.train.masking import prepare_mask
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
+from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
 from gstrain.train.step import BatchView, StepRunner
 from gstrain.train.strategies import build_strategy
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer
 
 __all__ = ["FitResult", "Trainer", "ViewSampler", "seed_everything"]
-
-
-class ViewSampler:
-    """Shuffled passes over the training views, reproducible and resumable."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n = n
-        self.gen = torch.Generator().manual_seed(seed)
-        self.order: list[int] = []
-        self.pos = 0
-
-    def next(self) -> int:
-        if self.pos >= len(self.order):
-            self.order = torch.randperm(self.n, generator=self.gen).tolist()
-            self.pos = 0
-        idx = self.order[self.pos]
-        self.pos += 1
-        return idx
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"gen": self.gen.get_state(), "order": list(self.order), "pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.gen.set_state(state["gen"])
-        self.order = list(state["order"])
-        self.pos = int(state["pos"])
-
-
-class _StopFlag:
-    """First Ctrl-C (or SIGTERM) asks the loop to stop after the current step and save; a second aborts."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopFlag:
-        def handler(signum: int, frame: Any) -> None:
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread (e.g. called from a test runner thread)
-                pass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _memory_text(device: torch.device) -> str:
@@ -145,11 +69,13 @@ class Trainer:
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
+        self.viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
+        # train.cuda_graphs: single-view steps replayed as CUDA graphs (None: every step eager)
+        self.graphs = GraphSteps(self) if graphs_possible(cfg, self.renderer, self.runner, device) else None
         self.record = RunRecord()  # what this process reports in train_summary.json
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
         self.writer = None
         self.checkpoints = CheckpointWriter(run_dir, keep=cfg.log.keep_ckpts)
-        self.viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
 
     # ----------------------------------------------------------------- setup
     def _initial_params(self) -> torch.nn.ParameterDict:
@@ -196,6 +122,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
+        if self.graphs is not None:
+            self.graphs.warm = False  # new tensors: the next step runs eagerly, then captures
 
     def resume(self) -> bool:
         state = load_latest_checkpoint(self.run_dir, map_location="cpu")
@@ -264,14 +192,18 @@ class Trainer:
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
         return self.writer
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """One optimisation step. Returns (loss, loss terms, render, target) as device tensors: no sync."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor | int]:
+        """One optimisation step. Returns (loss, loss terms, render, target) as device tensors: no
+        sync. The target may be a training view's index instead (train_target makes it a tensor)."""
         if self.cfg.train.batch_size > 1:
             with self.timer.phase("data"):
                 views = [self.batch_view(self.sampler.next()) for _ in range(self.cfg.train.batch_size)]
             result = self.runner.run_batch(self.params, self.optimizers, step, views, self.active_sh_degree(),
                                            self.background, scheduler=self.scheduler)  # fmt: skip
             gt = views[0].gt  # the batch's first view stands for it in the train PSNR
+        elif self.graphs is not None:
+            idx = self.sampler.next()
+            result, gt = self.graphs.run(step, idx), idx
         else:
             with self.timer.phase("data"):
                 idx = self.sampler.next()
@@ -285,6 +217,9 @@ class Trainer:
         if result.changed:  # the count is known on the host: no sync
             self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
         return result.loss, result.terms, result.image, gt
+
+    def train_target(self, gt: torch.Tensor | int) -> torch.Tensor:
+        return self.train_images[gt].float() / 255.0 if isinstance(gt, int) else gt
 
     def batch_view(self, idx: int) -> BatchView:
         """Training view `idx` as a batch step reads it (the target as floats in 0..1)."""
@@ -329,8 +264,14 @@ class Trainer:
                 step = self.step
                 logging = step % cfg.log.tb_every == 0
                 progress = step % cfg.log.progress_every == 0 or step == end
+                saving = (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end
+                reads = logging or progress or saving or step in eval_steps or step in save_steps
+                if self.graphs is not None and (reads or stop.requested or self.viewer is not None):
+                    redone = self.graphs.settle()  # graph steps are exact before anything is read
+                    if redone is not None:
+                        loss, terms, image = redone.loss, redone.terms, redone.image
                 # train PSNR only when someone reads it: four launches saved on the other steps
-                train_psnr = psnr(image, gt) if logging or progress else None
+                train_psnr = psnr(image, self.train_target(gt)) if logging or progress else None
                 if self.viewer is not None:
                     self.viewer.on_step(step, self.params, loss, train_psnr)
                     self.viewer.wait_if_paused(lambda: stop.requested)
@@ -355,7 +296,7 @@ class Trainer:
                         self._tb().add_scalar("test/ssim", metrics["ssim"], step)
                         self._log_test_renders(step)
                         bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
-                if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end:
+                if saving:
                     if not (math.isfinite(float(loss)) and self._params_finite()):
                         status = "nan"
                         break
@@ -367,6 +308,10 @@ class Trainer:
                     status = "interrupted"
                     break
         bar.close()
+        if self.graphs is not None:
+            self.graphs.settle()
+            self.record.add_pairs(self.graphs.pair_totals())
+            self.record.graphs = self.graphs.summary()
         self.checkpoints.wait()  # the last write is part of the run's time
         seconds = time.perf_counter() - t_start
         if status == "done" and self.step < total:

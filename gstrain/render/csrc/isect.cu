@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
     const float *__restrict__ depths,
     const int64_t *__restrict__ cum,
     int tile_bits,
+    int64_t capacity,
     int64_t *__restrict__ keys,
     int *__restrict__ ids
 ) {
@@ -216,6 +217,9 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
     const bool live = cur != end && load_gaussian(a, i, r, e);
     const int64_t tiles = live ? rect_tiles(r) : 0;
     const bool every = live && end - cur == tiles; // the count kept them all: no need to test
+    // a capped buffer (the sync-free intersection) keeps the pairs that fit; past it the step is
+    // flagged as overflowed and redone (isect_pad_kernel)
+    end = end < capacity ? end : capacity;
     const bool alone = live && tiles <= kWarpTiles;
     if (alone) {
         const int64_t cam_key = (i / a.n_gauss) << (32 + tile_bits);
@@ -263,6 +267,60 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
     }
 }
 
+// The capped intersection's tail: slots past the kept count get a key that sorts last; an
+// overflowed step sets the sticky flag to its tag (the first overflowed step), a step that fits
+// adds its pair counts to pair_sum[0..1] (the run's record, read by the host when it reports),
+// and pair_sum[2] keeps the most pairs any view kept (the next capacity).
+__global__ void __launch_bounds__(kIsectThreads) isect_pad_kernel(
+    const unsigned long long *__restrict__ totals,
+    int64_t capacity,
+    int64_t pad_key,
+    const float *__restrict__ tag,
+    int *__restrict__ flag,
+    long long *__restrict__ pair_sum,
+    int64_t *__restrict__ keys,
+    int *__restrict__ ids,
+    int *__restrict__ n_isects
+) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t kept = (int64_t)totals[1];
+    if (j == 0) {
+        const bool over = kept > capacity;
+        if (over && *flag == 0) *flag = (int)tag[0];
+        if (*flag == 0) {
+            pair_sum[0] += (long long)totals[0];
+            pair_sum[1] += (long long)kept;
+        }
+        if (kept > pair_sum[2]) pair_sum[2] = kept;
+        *n_isects = (int)(over ? capacity : kept);
+    }
+    if (j < capacity && j >= kept) {
+        keys[j] = pad_key;
+        ids[j] = 0;
+    }
+}
+
+// isect_offset_encode with the pair count on the device: offsets[t] = first sorted pair of tile t
+// (flat over cameras and tiles), the count for tiles after the last pair.
+// A key's flat tile over [C, tiles]: its camera and tile fields (gsplat's isect_offset_encode).
+__device__ __forceinline__ int64_t flat_tile(int64_t key, int tile_bits, int tiles_per_cam) {
+    const int64_t cam = key >> (32 + tile_bits);
+    const int64_t tile = (key >> 32) & ((int64_t(1) << tile_bits) - 1);
+    return cam * tiles_per_cam + tile;
+}
+
+__global__ void __launch_bounds__(kIsectThreads) isect_offsets_kernel(
+    const int64_t *__restrict__ keys, const int *__restrict__ n_isects, int tile_bits, int tiles_per_cam,
+    int tiles_total, int *__restrict__ offsets
+) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t count = *n_isects;
+    if (j > count) return;
+    const int64_t cur = j < count ? flat_tile(keys[j], tile_bits, tiles_per_cam) : tiles_total;
+    const int64_t prev = j == 0 ? -1 : flat_tile(keys[j - 1], tile_bits, tiles_per_cam);
+    for (int64_t t = prev + 1; t <= cur && t < tiles_total; ++t) offsets[t] = (int)j;
+}
+
 int blocks_for(int64_t n) { return (int)((n + kIsectThreads - 1) / kIsectThreads); }
 
 } // namespace
@@ -275,12 +333,29 @@ cudaError_t launch_isect_count(const IsectArgs &a, int *counts, unsigned long lo
 }
 
 cudaError_t launch_isect_fill(
-    const IsectArgs &a, const float *depths, const int64_t *cum, int tile_bits, int64_t *keys, int *ids,
-    cudaStream_t stream
+    const IsectArgs &a, const float *depths, const int64_t *cum, int tile_bits, int64_t capacity, int64_t *keys,
+    int *ids, cudaStream_t stream
 ) {
     const int64_t n = (int64_t)a.n_cams * a.n_gauss;
     if (n == 0) return cudaSuccess;
-    isect_fill_kernel<<<blocks_for(n), kIsectThreads, 0, stream>>>(a, depths, cum, tile_bits, keys, ids);
+    isect_fill_kernel<<<blocks_for(n), kIsectThreads, 0, stream>>>(a, depths, cum, tile_bits, capacity, keys, ids);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_isect_pad(const IsectPad &p, int64_t *keys, int *ids, cudaStream_t stream) {
+    isect_pad_kernel<<<blocks_for(p.capacity), kIsectThreads, 0, stream>>>(
+        p.totals, p.capacity, p.pad_key, p.tag, p.flag, p.pair_sum, keys, ids, p.n_isects
+    );
+    return cudaGetLastError();
+}
+
+cudaError_t launch_isect_offsets(
+    const int64_t *keys, const int *n_isects, int64_t capacity, int tile_bits, int tiles_per_cam, int tiles_total,
+    int *offsets, cudaStream_t stream
+) {
+    isect_offsets_kernel<<<blocks_for(capacity + 1), kIsectThreads, 0, stream>>>(
+        keys, n_isects, tile_bits, tiles_per_cam, tiles_total, offsets
+    );
     return cudaGetLastError();
 }
 

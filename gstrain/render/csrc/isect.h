@@ -30,14 +30,42 @@ cudaError_t launch_isect_count(const IsectArgs &a, int *counts, unsigned long lo
 
 // Writes the kept pairs of Gaussian i at [cum[i-1], cum[i]) (cum: inclusive prefix sum of
 // counts), in row-major tile order: keys = camera | tile | depth bits (gsplat's isect_ids
-// layout, tile_bits wide tile field) and ids = i.
+// layout, tile_bits wide tile field) and ids = i. Slots at or past `capacity` are not written.
 cudaError_t launch_isect_fill(
     const IsectArgs &a,
     const float *depths,  // [C*N]
     const int64_t *cum,   // [C*N]
     int tile_bits,
-    int64_t *keys,        // [M]
-    int *ids,             // [M]
+    int64_t capacity,
+    int64_t *keys,        // [capacity]
+    int *ids,             // [capacity]
+    cudaStream_t stream
+);
+
+// The sync-free intersection's bookkeeping, all on the device (isect_pad_kernel).
+struct IsectPad {
+    const unsigned long long *totals; // isect_count's [before, kept]
+    int64_t capacity;                 // slots in keys / ids
+    int64_t pad_key;                  // sorts after every real key
+    const float *tag;                 // this step's tag (> 0), written to flag on overflow
+    int *flag;                        // sticky: 0, or the tag of the first overflowed step
+    long long *pair_sum;              // [3]: [0..1] += totals while flag is 0; [2] = max kept
+    int *n_isects;                    // [1] out: pairs in the buffer (min(kept, capacity))
+};
+
+// Pads slots [kept, capacity) with pad_key / id 0 and does IsectPad's bookkeeping.
+cudaError_t launch_isect_pad(const IsectPad &p, int64_t *keys, int *ids, cudaStream_t stream);
+
+// offsets [C * tiles_per_cam] = first pair of each (camera, tile) in the sorted keys, the first
+// *n_isects of which are real (gsplat's isect_offset_encode with the count on the device).
+cudaError_t launch_isect_offsets(
+    const int64_t *keys,
+    const int *n_isects,
+    int64_t capacity,
+    int tile_bits,
+    int tiles_per_cam,
+    int tiles_total,
+    int *offsets,
     cudaStream_t stream
 );
 

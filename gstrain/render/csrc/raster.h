@@ -27,6 +27,7 @@ struct RasterArgs {
     const float *backgrounds; // [C, CH] or nullptr
     const int *tile_offsets;  // [C, tiles_y, tiles_x]
     const int *flatten_ids;   // [n_isects], values in [0, C*N)
+    const int *n_isects_dev;  // nullptr, or [1]: the real pair count (<= n_isects) on the device
 };
 
 // Where the backward's atomics land. Scalar layout: the final tensors. Vector layout: `geo`

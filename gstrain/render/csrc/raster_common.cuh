@@ -60,7 +60,8 @@ __device__ __forceinline__ TileCoord tile_coord(const RasterArgs &a) {
     c.pix = c.inside ? (c.cam * a.height + c.y) * a.width + c.x : 0;
     const int n_tiles = a.n_cams * a.tiles_y * a.tiles_x;
     c.range_start = a.tile_offsets[c.tile];
-    c.range_end = c.tile + 1 < n_tiles ? a.tile_offsets[c.tile + 1] : a.n_isects;
+    c.range_end = c.tile + 1 < n_tiles ? a.tile_offsets[c.tile + 1]
+                                       : (a.n_isects_dev != nullptr ? *a.n_isects_dev : a.n_isects);
     return c;
 }
 

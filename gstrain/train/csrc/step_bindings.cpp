@@ -37,7 +37,9 @@ void adam_step(
     double beta1,
     double beta2,
     double eps,
-    const std::optional<at::Tensor> &visible
+    const std::optional<at::Tensor> &visible,
+    const std::optional<at::Tensor> &scalars,
+    const std::optional<at::Tensor> &skip
 ) {
     const size_t n = params.size();
     TORCH_CHECK(
@@ -56,6 +58,18 @@ void adam_step(
         gaussians = visible->size(0);
         visible_ptr = visible->data_ptr<bool>();
     }
+    const float *scalars_ptr = nullptr;
+    if (scalars.has_value() && scalars->defined()) {
+        check_float_cuda(*scalars, "scalars", device);
+        TORCH_CHECK(scalars->numel() >= (int64_t)(2 * n), "scalars must hold a (step size, 1/sqrt(bc2)) pair per tensor");
+        scalars_ptr = scalars->data_ptr<float>();
+    }
+    const int *skip_ptr = nullptr;
+    if (skip.has_value() && skip->defined()) {
+        TORCH_CHECK(skip->is_cuda() && skip->device() == device && skip->scalar_type() == at::kInt && skip->numel() == 1,
+                    "skip must be one int32 on ", device);
+        skip_ptr = skip->data_ptr<int>();
+    }
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     const int64_t per_block = adam_block_elements();
@@ -65,6 +79,8 @@ void adam_step(
         batch.beta2 = (float)beta2;
         batch.eps = (float)eps;
         batch.visible = visible_ptr;
+        batch.scalars = scalars_ptr != nullptr ? scalars_ptr + 2 * start : nullptr;
+        batch.skip = skip_ptr;
         batch.first_block[0] = 0;
         int count = 0;
         for (size_t i = start; i < n && count < kMaxAdamTensors; ++i, ++count) {
@@ -102,7 +118,7 @@ void adam_step(
 // DefaultStrategy's running statistics for one camera, in place: grad2d and count [N] float32.
 void grad2d_stats(
     const at::Tensor &grad, const at::Tensor &radii, double scale_x, double scale_y, at::Tensor &grad2d,
-    at::Tensor &count
+    at::Tensor &count, const std::optional<at::Tensor> &skip
 ) {
     const at::Device device = grad.device();
     check_float_cuda(grad, "grad", device);
@@ -113,11 +129,16 @@ void grad2d_stats(
     const int64_t n = grad2d.numel();
     TORCH_CHECK(grad.numel() == 2 * n && radii.numel() == 2 * n && count.numel() == n,
                 "grad2d_stats: expected grad and radii [N, 2] and grad2d, count [N]");
+    const int *skip_ptr = nullptr;
+    if (skip.has_value() && skip->defined()) {
+        TORCH_CHECK(skip->is_cuda() && skip->scalar_type() == at::kInt && skip->numel() == 1, "skip must be one int32");
+        skip_ptr = skip->data_ptr<int>();
+    }
     const c10::cuda::CUDAGuard guard(device);
     check_cuda(
         launch_grad2d_stats(
             n, grad.data_ptr<float>(), radii.data_ptr<int32_t>(), (float)scale_x, (float)scale_y,
-            grad2d.data_ptr<float>(), count.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()
+            grad2d.data_ptr<float>(), count.data_ptr<float>(), skip_ptr, c10::cuda::getCurrentCUDAStream().stream()
         ),
         "densification statistics"
     );

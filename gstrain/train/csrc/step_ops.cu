@@ -12,10 +12,15 @@ constexpr int64_t kAdamBlockElements = (int64_t)kAdamThreads * kAdamPerThread;
 // The same update as torch.optim.Adam (no weight decay, no amsgrad), element by element:
 //   m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2;  p -= step_size * m / (sqrt(v) / sqrt(bc2) + eps)
 __global__ void adam_kernel(const AdamBatch batch) {
+    if (batch.skip != nullptr && *batch.skip != 0) return;
     const int64_t block = blockIdx.x;
     int i = 0;
     while (i + 1 < batch.count && block >= batch.first_block[i + 1]) ++i; // at most 8 compares
-    const AdamTensor t = batch.tensors[i];
+    AdamTensor t = batch.tensors[i];
+    if (batch.scalars != nullptr) {
+        t.step_size = batch.scalars[2 * i];
+        t.inv_sqrt_bc2 = batch.scalars[2 * i + 1];
+    }
     const int64_t base = (block - batch.first_block[i]) * kAdamBlockElements;
     const float one_minus_b1 = 1.0f - batch.beta1;
     const float one_minus_b2 = 1.0f - batch.beta2;
@@ -43,10 +48,11 @@ __global__ void grad2d_stats_kernel(
     const float scale_x,
     const float scale_y,
     float *__restrict__ grad2d,
-    float *__restrict__ count
+    float *__restrict__ count,
+    const int *__restrict__ skip
 ) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
+    if (i >= n || (skip != nullptr && *skip != 0)) return;
     const int2 r = radii[i];
     if (r.x <= 0 || r.y <= 0) return;
     const float2 g = grad[i];
@@ -75,6 +81,7 @@ cudaError_t launch_grad2d_stats(
     float scale_y,
     float *grad2d,
     float *count,
+    const int *skip,
     cudaStream_t stream
 ) {
     if (n == 0) return cudaSuccess;
@@ -82,7 +89,7 @@ cudaError_t launch_grad2d_stats(
     const int64_t blocks = (n + kThreads - 1) / kThreads;
     grad2d_stats_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(
         n, reinterpret_cast<const float2 *>(grad), reinterpret_cast<const int2 *>(radii), scale_x, scale_y,
-        grad2d, count
+        grad2d, count, skip
     );
     return cudaGetLastError();
 }

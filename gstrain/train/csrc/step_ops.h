@@ -32,6 +32,10 @@ struct AdamBatch {
     float beta2;
     float eps;
     const bool *visible; // [N] or nullptr: when set, Gaussians off screen keep parameter and moments
+    // CUDA-graph steps: per-tensor (step_size, inv_sqrt_bc2) pairs read on the device (this batch's
+    // first pair at [0]) instead of the fields above, and a flag that, when non-zero, skips the step
+    const float *scalars; // nullptr: use AdamTensor's fields
+    const int *skip;      // nullptr: never skip
 };
 
 // Elements one block updates.
@@ -49,6 +53,7 @@ cudaError_t launch_grad2d_stats(
     float scale_y,
     float *grad2d, // [n]
     float *count,  // [n]
+    const int *skip, // nullptr, or a flag: non-zero leaves grad2d and count as they are
     cudaStream_t stream
 );
 

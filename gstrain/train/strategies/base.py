@@ -43,6 +43,18 @@ class Strategy:
         """A regulariser added to the training loss, or None."""
         return None
 
+    def graph_safe_at(self, step: int) -> bool:
+        """True when a CUDA graph captured at another graph-safe step can stand for this step's
+        strategy calls (train.cuda_graphs); a strategy that does not say so always runs eagerly."""
+        return False
+
+    def graph_key(self, step: int) -> tuple:
+        """What changes a graph-safe step's captured work (see DefaultStrategy)."""
+        return ()
+
+    def set_skip_flag(self, flag: torch.Tensor | None) -> None:
+        """A device flag that makes this strategy's per-step kernels no-ops while non-zero."""
+
     def refines_at(self, step: int) -> bool:
         """gsplat refines after step `step` when start < step < stop and step % every == 0."""
         c = self.cfg

@@ -51,8 +51,11 @@ class FastStatsStrategy(GsplatDefaultStrategy):
     indexing, three host syncs a step; here every Gaussian adds its norm or nothing (one kernel
     on the GPU), which gives the same grad2d and count. Cases that the dense form does not cover
     (packed renders, the radii statistic) go to gsplat's code. Several cameras (a batch step,
-    means2d [B,N,2]) add each camera's norm, as gsplat does.
+    means2d [B,N,2]) add each camera's norm, as gsplat does. skip_flag (a device int32, set while a
+    CUDA graph is captured): when non-zero at run time, the update is skipped (render/isect.py).
     """
+
+    skip_flag = None
 
     def _update_state(self, params, state, info, packed: bool = False) -> None:  # type: ignore[override]
         if packed or self.refine_scale2d_stop_iter > 0:
@@ -75,7 +78,8 @@ class FastStatsStrategy(GsplatDefaultStrategy):
 
             for c in range(cams):
                 ensure_built().grad2d_stats(grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(),
-                                            scale_x, scale_y, state["grad2d"], state["count"])  # fmt: skip
+                                            scale_x, scale_y, state["grad2d"], state["count"],
+                                            self.skip_flag)  # fmt: skip
             return None
         visible = (radii > 0).all(dim=-1)
         scaled = grads.clone()
@@ -113,6 +117,26 @@ class DefaultStrategy(GsplatStrategy):
         if self.resets_at(step) and gsplat_skips_opacity_reset():
             reset_opa(params=params, optimizers=optimizers, state=self.state, value=2.0 * self.cfg.prune_opa)
         return self.refines_at(step)
+
+    def graph_safe_at(self, step: int) -> bool:
+        """Only the per-step statistics happen after `step` (no refinement, no reset), and they
+        are FastStatsStrategy's kernel: a CUDA graph of the step can replay it."""
+        if not isinstance(self.gsplat, FastStatsStrategy) or self.gsplat.refine_scale2d_stop_iter > 0:
+            return False
+        return not self.refines_at(step) and not self.resets_at(step)
+
+    def graph_key(self, step: int) -> tuple:
+        """What a graph captured at one graph-safe step must share with a step that replays it:
+        whether statistics are kept, and the tensors they live in."""
+        if step >= self.cfg.refine_stop:
+            return (False,)
+        grad2d, count = self.state.get("grad2d"), self.state.get("count")
+        ptrs = tuple(t.data_ptr() if torch.is_tensor(t) else None for t in (grad2d, count))
+        return (True, *ptrs)
+
+    def set_skip_flag(self, flag: torch.Tensor | None) -> None:
+        if isinstance(self.gsplat, FastStatsStrategy):
+            self.gsplat.skip_flag = flag
 
     def resets_at(self, step: int) -> bool:
         """Opacities reset (to 2 x prune_opa) after step `step` when 0 < step < refine_stop and

@@ -1,0 +1,241 @@
+"""train.cuda_graphs: single-view training steps replayed as one CUDA graph each.
+
+Why: near 3 ms a step on an H200 the step is bound by the host issuing ~60 kernels through
+Python (bench/trace_step.py), not by the GPU. A captured graph replays the whole step
+(projection, intersection, both raster passes, loss, backward, Adam, statistics) in one launch.
+
+What a graph freezes, and how each is handled:
+- shapes and addresses: the intersection is sync-free into fixed-capacity buffers
+  (render/isect.PairBudget); parameters, Adam moments and statistics keep their storage between
+  densifications, and a step whose key (those addresses, the SH degree, the image size, ARC's
+  threshold, the capacity, ...) differs from the captured one captures anew;
+- per-step values: Adam's step sizes and bias corrections come from a device tensor refilled
+  before each replay (fused_adam.advance); the view's camera and image are copied into the
+  graph's inputs;
+- the rest runs eagerly: steps where the strategy refines or resets, timed steps
+  (log.time_every), ARC's tuning calls, masked views, batches, and the first step.
+Exactness: a view whose pairs overflow the capacity sets the budget's sticky flag, and Adam and
+the statistics are no-ops while it is set. Before the host reads anything (settle()), it checks
+the flag and redoes the steps from the first overflowed one with twice the capacity. A graph
+step computes the eager step's function (tests/test_graph_cuda.py checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gstrain.render.isect import PairBudget
+from gstrain.train import fused_adam
+from gstrain.train.step import StepResult
+
+CAPACITY_MARGIN = 1.5  # pair buffers hold this many times the most pairs an eager step has seen
+CAPACITY_ROUND = 1 << 16
+INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
+MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
+
+
+def _round_up(n: int) -> int:
+    return max(CAPACITY_ROUND, -(-int(n) // CAPACITY_ROUND) * CAPACITY_ROUND)
+
+
+class GraphSteps:
+    """Runs a Trainer's single-view steps, replaying a captured graph where it may (see the
+    module docstring). `trainer` is the gstrain.train.trainer.Trainer that owns the run."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.t = trainer
+        self.device = trainer.device
+        n_scalars = 2 * len(trainer.optimizers) + 1  # Adam's pairs, then the step's tag
+        self.scalars = torch.zeros(n_scalars, device=self.device)
+        self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])
+        self.peak_pairs = 0
+        self.pinned = torch.zeros((INFLIGHT, n_scalars), pin_memory=True)
+        self.slot_done: list[torch.cuda.Event | None] = [None] * INFLIGHT
+        self.slot = 0
+        self.stream = torch.cuda.Stream(self.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.key: tuple | None = None
+        self.outputs: StepResult | None = None
+        self.inputs: dict[str, Tensor] = {}
+        self.unsettled: list[tuple[int, int]] = []  # (step, view) replayed since the last settle
+        self.warm = False  # an eager step has run (lazily made state exists)
+        self.views = 0  # settled graph steps: the views pair_sum counts
+        self.captures = 0
+        self.redos = 0
+
+    # ----------------------------------------------------------------- policy
+    def replayable(self, step: int, idx: int) -> bool:
+        """May `step` (on view idx) be a graph step? Otherwise it runs eagerly."""
+        t = self.t
+        tuner = t.renderer.tuner
+        if tuner is not None and tuner.tuning:
+            tuner.poll()  # finish a round whose timings are in (never blocks)
+        return (
+            self.warm and not t.timer.enabled and t.viewer is None and t.train_masks[idx] is None
+            and (tuner is None or not tuner.tuning) and t.strategy.graph_safe_at(step)
+        )  # fmt: skip
+
+    def _key(self, step: int, idx: int) -> tuple:
+        t = self.t
+        params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
+        moments = tuple(
+            (s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr())
+            for s in (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
+        )
+        image = tuple(t.train_images[idx].shape)
+        return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), image,
+                t.renderer.atomic_threshold, self.budget.capacity)  # fmt: skip
+
+    # ----------------------------------------------------------------- steps
+    def run(self, step: int, idx: int) -> StepResult:
+        """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
+        if not self.replayable(step, idx):
+            self.settle()  # an eager step may read what earlier replays wrote (densification)
+            if self.warm:
+                result = self._eager(step, idx)
+            else:
+                # lazily made state (cuBLAS workspaces, Adam moments) made on the capture stream
+                current = torch.cuda.current_stream()
+                self.stream.wait_stream(current)
+                with torch.cuda.stream(self.stream):
+                    result = self._eager(step, idx)
+                current.wait_stream(self.stream)
+            self.warm = True
+            if result.pairs is not None:
+                self.peak_pairs = max(self.peak_pairs, result.pairs[1])
+            return result
+        return self._graph_step(step, idx)
+
+    def _eager(self, step: int, idx: int) -> StepResult:
+        t = self.t
+        viewmat, K = t.train_cams[idx]
+        gt = t.train_images[idx].float() / 255.0
+        return t.runner.run(t.params, t.optimizers, step, viewmat, K, gt, t.active_sh_degree(), t.background,
+                            scheduler=t.scheduler, mask=t.train_masks[idx])  # fmt: skip
+
+    def _graph_step(self, step: int, idx: int) -> StepResult:
+        needed = _round_up(self.peak_pairs * CAPACITY_MARGIN)
+        if needed > self.budget.capacity:
+            self.budget.capacity = needed
+        key = self._key(step, idx)
+        self._load(step, idx)
+        if key != self.key:
+            self._capture(step, idx)
+            self.key = key
+        assert self.graph is not None and self.outputs is not None
+        self.graph.replay()
+        self._release_slot()
+        self.unsettled.append((step, idx))
+        if len(self.unsettled) >= MAX_UNSETTLED:
+            self.settle()
+        return self.outputs
+
+    def _load(self, step: int, idx: int) -> None:
+        """This step's values into the graph's inputs: Adam's scalars (counted on the host here,
+        as an eager step counts them), the tag, the camera and the image; then the rate decay."""
+        t = self.t
+        done = self.slot_done[self.slot]
+        if done is not None:
+            done.synchronize()  # the ring's slot is free once its copy has run: at most INFLIGHT ahead
+        host = self.pinned[self.slot]
+        host[:-1] = torch.tensor(fused_adam.advance(t.optimizers), dtype=torch.float32)
+        host[-1] = float(step + 1)
+        self.scalars.copy_(host, non_blocking=True)
+        t.scheduler.step()
+        viewmat, K = t.train_cams[idx]
+        image = t.train_images[idx]
+        if not self.inputs or self.inputs["image"].shape != image.shape:
+            self.inputs = {"viewmat": viewmat.clone(), "K": K.clone(), "image": image.clone()}
+        else:
+            self.inputs["viewmat"].copy_(viewmat)
+            self.inputs["K"].copy_(K)
+            self.inputs["image"].copy_(image)
+
+    def _release_slot(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.slot_done[self.slot] = event
+        self.slot = (self.slot + 1) % INFLIGHT
+
+    def _capture(self, step: int, idx: int) -> None:
+        t = self.t
+        self.graph = self.outputs = None  # the old graph's memory goes back before the new capture
+        for p in t.params.values():
+            p.grad = None
+        renderer, runner = t.renderer, t.runner
+        options = renderer.options
+        renderer.options = replace(options, pair_budget=self.budget)
+        runner.graph_adam = (self.scalars, self.budget.flag)
+        t.strategy.set_skip_flag(self.budget.flag)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin()
+                try:
+                    gt = self.inputs["image"].float() / 255.0
+                    result = runner.run(t.params, t.optimizers, step, self.inputs["viewmat"], self.inputs["K"], gt,
+                                        t.active_sh_degree(), t.background, scheduler=None, mask=None)  # fmt: skip
+                finally:
+                    graph.capture_end()
+        finally:
+            renderer.options = options
+            runner.graph_adam = None
+            t.strategy.set_skip_flag(None)
+        current.wait_stream(self.stream)
+        self.graph = graph
+        self.outputs = StepResult(result.loss, result.terms, result.image, False, None)
+        self.captures += 1
+
+    # ----------------------------------------------------------------- exactness
+    def settle(self) -> StepResult | None:
+        """Wait for the replays so far; if a view overflowed its pair budget, redo the steps from
+        that one on with a larger budget. Returns the last redone step's result (None: no redo)."""
+        if not self.unsettled:
+            return None
+        first = int(self.budget.flag.item()) - 1  # the one host sync: the flag, a step's tag or 0
+        if first < 0:
+            self.views += len(self.unsettled)
+            self.unsettled.clear()
+            return None
+        t = self.t
+        redo = [(s, i) for s, i in self.unsettled if s >= first]
+        self.views += len(self.unsettled) - len(redo)
+        self.unsettled.clear()
+        fused_adam.rewind(t.optimizers, len(redo))
+        t.scheduler.rewind(len(redo))
+        self.budget.flag.zero_()
+        # the largest view seen by any replay, the overflowed one included
+        self.peak_pairs = max(self.peak_pairs, int(self.budget.pair_sum[2]))
+        self.budget.capacity = max(_round_up(self.peak_pairs * CAPACITY_MARGIN), self.budget.capacity + CAPACITY_ROUND)
+        self.redos += 1
+        result = None
+        for s, i in redo:
+            result = self._graph_step(s, i)
+        again = self.settle()
+        return again if again is not None else result
+
+    def pair_totals(self) -> tuple[int, int, int]:
+        """(pairs before the cull, after it, views) over the settled graph steps."""
+        self.settle()
+        before, after, _ = (int(v) for v in self.budget.pair_sum.tolist())
+        return before, after, self.views
+
+    def summary(self) -> dict[str, Any]:
+        """For the run record: how the steps ran."""
+        return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
+                "pair_capacity": self.budget.capacity}  # fmt: skip
+
+
+def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
+    """train.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
+    single-view steps."""
+    return (
+        bool(cfg.train.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
+        and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
+    )  # fmt: skip

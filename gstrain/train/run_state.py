@@ -1,0 +1,87 @@
+"""What a run carries between steps besides the model: the view order, the random generators'
+state, and the Ctrl-C / SIGTERM flag the training loops poll."""
+
+from __future__ import annotations
+
+import random
+import signal
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class ViewSampler:
+    """Shuffled passes over the training views, reproducible and resumable."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.pos = 0
+
+    def next(self) -> int:
+        if self.pos >= len(self.order):
+            self.order = torch.randperm(self.n, generator=self.gen).tolist()
+            self.pos = 0
+        idx = self.order[self.pos]
+        self.pos += 1
+        return idx
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gen": self.gen.get_state(), "order": list(self.order), "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen.set_state(state["gen"])
+        self.order = list(state["order"])
+        self.pos = int(state["pos"])
+
+
+class _StopFlag:
+    """First Ctrl-C (or SIGTERM) asks the loop to stop after the current step and save; a second aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        def handler(signum: int, frame: Any) -> None:
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. called from a test runner thread)
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

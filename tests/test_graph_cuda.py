@@ -1,0 +1,193 @@
+"""train.cuda_graphs on the GPU: the sync-free intersection equals the synced one, the device-side
+Adam scalars and skip flag, and graph steps computing the eager steps' function (overflow redo
+included). Run by bench/gpu_tests.sh."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from cli_util import run_cli
+
+from gstrain.config import build_config
+from gstrain.data.colmap import load_scene
+from gstrain.train.trainer import Trainer
+
+pytestmark = pytest.mark.cuda
+
+
+def _trainer(scene, tmp_path, name: str, graphs: bool, mode: str = "warp") -> Trainer:
+    cfg = build_config(overrides=[{
+        "train": {"steps": 500, "cuda_graphs": graphs, "device": "cuda"},
+        "render": {"atomic_mode": mode},
+        "strategy": {"refine_start": 4, "refine_every": 6, "reset_every": 9},
+    }])  # fmt: skip
+    trainer = Trainer(cfg, scene, tmp_path / name, torch.device("cuda"), log=lambda m: None)
+    trainer.timer.enabled = False  # the loop sets it per step (log.time_every); timed steps run eagerly
+    return trainer
+
+
+def _splats(scene):
+    from gstrain.model import init_gaussians
+
+    params = init_gaussians(scene.points, scene.point_colors, sh_degree=1, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():  # varied shapes and opacities: some pairs culled, some kept
+        params["scales"].add_(0.6 * torch.randn(params["scales"].shape, generator=gen, device="cuda"))
+        params["opacities"].add_(2.0 * torch.randn(params["opacities"].shape, generator=gen, device="cuda"))
+    return params
+
+
+def test_capped_intersection_equals_the_synced_one(demo_scene):
+    from gstrain.render.cuda import ensure_built, project_splats
+    from gstrain.render.isect import PairBudget, capped_intersection
+
+    scene = load_scene(demo_scene)
+    params = _splats(scene)
+    view = scene.train[3]
+    args = (params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height)
+    with torch.no_grad():
+        ref = project_splats(*args, ellipse_cull=True)
+        before, kept = ref.pairs
+        assert 0 < kept < before  # the cull drops some: both paths are exercised
+        for capacity in (kept, kept + 1000):
+            budget = PairBudget.on(torch.device("cuda"), capacity)
+            out = project_splats(*args, ellipse_cull=True, budget=budget)
+            assert int(out.n_isects) == kept and int(budget.flag) == 0
+            assert torch.equal(out.isect_offsets, ref.isect_offsets)
+            assert torch.equal(out.flatten_ids[:kept], ref.flatten_ids)
+            assert budget.pair_sum.tolist() == [before, kept, kept]
+        # too small: the flag takes the step's tag, the record is not counted, the peak is
+        budget = PairBudget.on(torch.device("cuda"), kept - 7, tag=torch.tensor([12.0], device="cuda"))
+        small = capped_intersection(ensure_built(), ref.means2d, ref.radii, ref.depths, ref.conics, ref.opacities,
+                                    view.width, view.height, 16, budget)  # fmt: skip
+        assert int(budget.flag) == 12 and int(small.n_isects) == kept - 7
+        assert budget.pair_sum.tolist() == [0, 0, kept]
+
+
+def test_render_on_capped_pairs_equals_the_synced_render(demo_scene):
+    from gstrain.render import Renderer
+    from gstrain.render.isect import PairBudget
+
+    scene = load_scene(demo_scene)
+    base = _splats(scene)
+    view = scene.train[5]
+    out = {}
+    for name, budget in (("synced", None), ("capped", PairBudget.on(torch.device("cuda"), 1 << 16))):
+        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp"}}])
+        renderer = Renderer(cfg.render, torch.device("cuda"))
+        if budget is not None:
+            from dataclasses import replace
+
+            renderer.options = replace(renderer.options, pair_budget=budget)
+        params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in base.items()})
+        image, _, _ = renderer(params, view.viewmat.cuda(), view.K.cuda(), view.width, view.height, 1,
+                               torch.zeros(3, device="cuda"))  # fmt: skip
+        (image * torch.linspace(0, 1, image.numel(), device="cuda").reshape(image.shape)).sum().backward()
+        out[name] = (image.detach(), {k: p.grad for k, p in params.items()})
+    assert torch.equal(out["capped"][0], out["synced"][0])  # the forward is deterministic
+    for key, g in out["synced"][1].items():
+        assert g.norm() > 0, key
+        assert float((out["capped"][1][key] - g).norm() / g.norm()) < 1e-5, key
+
+
+def test_adam_device_scalars_and_skip_flag():
+    from gstrain.train import fused_adam
+
+    torch.manual_seed(0)
+    params = {k: torch.nn.Parameter(torch.randn(50, 3, device="cuda")) for k in ("a", "b")}
+    opts = {k: torch.optim.Adam([{"params": p, "lr": 0.01 * (i + 1)}], eps=1e-15) for i, (k, p) in
+            enumerate(params.items())}  # fmt: skip
+    ref = copy.deepcopy((params, opts))
+    fused = fused_adam.FusedAdam()
+    for p in (*params.values(), *ref[0].values()):
+        p.grad = torch.ones_like(p)
+    fused.step(opts)  # creates the state: one host-scalar step on both sides
+    fused.step(ref[1])
+    scalars = torch.zeros(5, device="cuda")
+    skip = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for step in range(3):
+        for model in (params, ref[0]):
+            for p in model.values():
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).cuda()
+        scalars[:4] = torch.tensor(fused_adam.advance(opts))
+        fused.step(opts, scalars=scalars, skip=skip)
+        fused.step(ref[1])
+    for k in params:
+        assert torch.allclose(params[k], ref[0][k], rtol=1e-6, atol=1e-7), k
+        assert float(opts[k].state[params[k]]["step"]) == 4
+    before = {k: p.detach().clone() for k, p in params.items()}
+    skip.fill_(5)
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    scalars[:4] = torch.tensor(fused_adam.advance(opts))
+    fused.step(opts, scalars=scalars, skip=skip)
+    fused_adam.rewind(opts, 1)
+    for k in params:
+        assert torch.equal(params[k], before[k]) and float(opts[k].state[params[k]]["step"]) == 4
+
+
+def _same_model(a: Trainer, b: Trainer, tol: float) -> None:
+    for k in a.params:
+        x, y = a.params[k].detach(), b.params[k].detach()
+        assert x.shape == y.shape, k
+        err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
+        assert err < tol, (k, err)
+    for k in a.strategy.state:
+        x, y = a.strategy.state[k], b.strategy.state[k]
+        if torch.is_tensor(x):
+            assert float((x - y).abs().max()) <= tol * float(y.abs().max().clamp_min(1.0)), k
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow):
+    """Twelve steps with refinements (eager) between graph replays and recaptures, against a run
+    with graphs off, from the same start; with `overflow` the first replays' pair buffers are too
+    small, so settle() must redo them."""
+    from gstrain.train import graph_step
+    from gstrain.train.trainer import seed_everything
+
+    scene = load_scene(demo_scene)
+    seed_everything(0)
+    graphed = _trainer(scene, tmp_path, "g", graphs=True)
+    seed_everything(0)
+    eager = _trainer(scene, tmp_path, "e", graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    steps = 14
+    for step in range(steps):
+        if overflow and step == 1:
+            monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
+            graphed.graphs.peak_pairs = 0
+            graphed.graphs.budget.capacity = 64
+        graphed.train_step(step)
+        eager.train_step(step)
+    graphed.graphs.settle()
+    g = graphed.graphs
+    assert g.captures >= 2 and g.views >= 6, g.summary()  # refinements at 6 and 12 forced recaptures
+    if overflow:
+        assert g.redos >= 1
+    _same_model(graphed, eager, 1e-4)
+    for name, opt in graphed.optimizers.items():
+        p = opt.param_groups[0]["params"][0]
+        q = eager.optimizers[name].param_groups[0]["params"][0]
+        assert float(opt.state[p]["step"]) == float(eager.optimizers[name].state[q]["step"])
+        assert opt.param_groups[0]["lr"] == eager.optimizers[name].param_groups[0]["lr"]
+
+
+def test_fit_with_graphs_trains_resumes_and_reports(demo_scene, tmp_path):
+    run = tmp_path / "run"
+    common = ("--device", "cuda", "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
+              "--set", "log.time_every=7", "--set", "train.sh_degree_interval=100")  # fmt: skip
+    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--set", "train.stop_at=200", *common)
+    assert proc.returncode == 0, proc.stderr
+    initial = json.loads((run / "train_summary.json").read_text())["initial_test_psnr"]
+    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--resume", *common)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "train_summary.json").read_text())
+    graphs = summary["cuda_graphs"]  # the resumed process's own steps
+    assert graphs["graph_steps"] > 100 and graphs["captures"] >= 2, graphs
+    assert summary["final_test_psnr"] > initial + 4.0, summary
+    pairs = summary["isect_pairs_per_view"]  # graph steps count their pairs on the device
+    assert 0 < pairs["after_cull"] < pairs["before_cull"]
