@@ -25,8 +25,12 @@ def main() -> None:
     ap.add_argument("scene", type=Path)
     ap.add_argument("--steps", type=int, default=43)
     ap.add_argument("--mode", default="warp")
+    ap.add_argument("--lockstep", type=int, default=0, help="steps of a graph run and an eager run side by side")
     args = ap.parse_args()
     scene = load_scene(args.scene)
+    if args.lockstep:
+        lockstep(scene, args.lockstep, args.mode)
+        return
     cfg = build_config(overrides=[{"render": {"atomic_mode": args.mode},
                                    "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 1000}}])
     seed_everything(0)
@@ -74,6 +78,32 @@ def main() -> None:
         if torch.is_tensor(v):
             print(f"state {k}: diff {(v - e.strategy.state[k]).abs().max().item():.3e} max {v.abs().max().item():.3e}")
     print("graph summary", t.graphs.summary(), graph_step.CAPACITY_MARGIN)
+
+
+def lockstep(scene, steps: int, mode: str) -> None:
+    """The graph test's two runs, with the largest parameter difference after every step."""
+    runs = []
+    for graphs in (True, False):
+        seed_everything(0)
+        cfg = build_config(overrides=[{"train": {"steps": 500, "cuda_graphs": graphs}, "render": {"atomic_mode": mode},
+                                       "strategy": {"refine_start": 4, "refine_every": 6, "reset_every": 9}}])
+        t = Trainer(cfg, scene, Path(f"/tmp/lock_{graphs}"), torch.device("cuda"), log=print)
+        t.timer.enabled = False
+        runs.append(t)
+    g, e = runs
+    for step in range(steps):
+        g.train_step(step)
+        e.train_step(step)
+        g.graphs.settle()
+        torch.cuda.synchronize()
+        n = (len(g.params["means"]), len(e.params["means"]))
+        if n[0] != n[1]:
+            print(f"step {step}: counts {n}")
+            continue
+        diffs = {k: (g.params[k] - e.params[k]).abs().max().item() for k in g.params}
+        state = {k: v for k, v in g.strategy.state.items() if torch.is_tensor(v)}
+        st = {k: (v - e.strategy.state[k]).abs().max().item() for k, v in state.items()}
+        print(f"step {step}: n {n[0]} captures {g.graphs.captures} views {g.graphs.views} params {diffs} state {st}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ step computes the eager step's function (tests/test_graph_cuda.py checks it).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,15 +36,30 @@ CAPACITY_MARGIN = 1.5  # pair buffers hold this many times the most pairs an eag
 CAPACITY_ROUND = 1 << 16
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
+CAPTURE_AFTER = 2  # an image size is captured when it comes up for the third time in an epoch
 
 
 def _round_up(n: int) -> int:
     return max(CAPACITY_ROUND, -(-int(n) // CAPACITY_ROUND) * CAPACITY_ROUND)
 
 
+@dataclass
+class _Graph:
+    """One image size's captured step: the graph and its static outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    outputs: StepResult
+
+
 class GraphSteps:
     """Runs a Trainer's single-view steps, replaying a captured graph where it may (see the
-    module docstring). `trainer` is the gstrain.train.trainer.Trainer that owns the run."""
+    module docstring). `trainer` is the gstrain.train.trainer.Trainer that owns the run.
+
+    A graph is per image size (a scene whose views were undistorted camera by camera has many):
+    the graphs of one epoch (the stretch between two changes of the key without the size) share
+    one memory pool, which is safe because every replay's outputs are read before the next.
+    A size is captured once it has come up CAPTURE_AFTER times in the epoch, so that sizes seen
+    once between two densifications do not pay for captures they never replay."""
 
     def __init__(self, trainer: Any) -> None:
         self.t = trainer
@@ -57,10 +72,11 @@ class GraphSteps:
         self.slot_done: list[torch.cuda.Event | None] = [None] * INFLIGHT
         self.slot = 0
         self.stream = torch.cuda.Stream(self.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.key: tuple | None = None
-        self.outputs: StepResult | None = None
-        self.inputs: dict[str, Tensor] = {}
+        self.epoch: tuple | None = None
+        self.graphs: dict[tuple, _Graph] = {}  # this epoch's, by image shape
+        self.seen: dict[tuple, int] = {}  # graph-safe steps per image shape in this epoch
+        self.pool: Any = None
+        self.inputs: dict[tuple, dict[str, Tensor]] = {}  # per image shape: camera and image buffers
         self.unsettled: list[tuple[int, int]] = []  # (step, view) replayed since the last settle
         self.warm = False  # an eager step has run (lazily made state exists)
         self.views = 0  # settled graph steps: the views pair_sum counts
@@ -79,36 +95,49 @@ class GraphSteps:
             and (tuner is None or not tuner.tuning) and t.strategy.graph_safe_at(step)
         )  # fmt: skip
 
-    def _key(self, step: int, idx: int) -> tuple:
+    def _epoch_key(self, step: int) -> tuple:
+        """Everything a captured step bakes in, the image size aside."""
         t = self.t
         params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
         moments = tuple(
             (s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr())
             for s in (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
         )
-        image = tuple(t.train_images[idx].shape)
-        return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), image,
-                t.renderer.atomic_threshold, self.budget.capacity)  # fmt: skip
+        return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), t.renderer.atomic_threshold,
+                self.budget.capacity)  # fmt: skip
+
+    def _new_epoch(self, key: tuple | None) -> None:
+        if self.graphs:
+            torch.cuda.current_stream().synchronize()  # no replay of a dropped graph is still running
+        self.graphs, self.seen, self.pool, self.epoch = {}, {}, None, key
 
     # ----------------------------------------------------------------- steps
     def run(self, step: int, idx: int) -> StepResult:
         """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
-        if not self.replayable(step, idx):
-            self.settle()  # an eager step may read what earlier replays wrote (densification)
-            if self.warm:
+        if self.replayable(step, idx):
+            needed = _round_up(self.peak_pairs * CAPACITY_MARGIN)
+            self.budget.capacity = max(self.budget.capacity, needed)
+            key = self._epoch_key(step)
+            if key != self.epoch:
+                self._new_epoch(key)
+            size = tuple(self.t.train_images[idx].shape)
+            self.seen[size] = self.seen.get(size, 0) + 1
+            if size in self.graphs or self.seen[size] > CAPTURE_AFTER:
+                return self._graph_step(step, idx)
+        self.settle()  # an eager step may read what earlier replays wrote (densification)
+        if self.warm:
+            result = self._eager(step, idx)
+        else:
+            # lazily made state (cuBLAS workspaces, Adam moments) made on the capture stream
+            current = torch.cuda.current_stream()
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
                 result = self._eager(step, idx)
-            else:
-                # lazily made state (cuBLAS workspaces, Adam moments) made on the capture stream
-                current = torch.cuda.current_stream()
-                self.stream.wait_stream(current)
-                with torch.cuda.stream(self.stream):
-                    result = self._eager(step, idx)
-                current.wait_stream(self.stream)
-            self.warm = True
-            if result.pairs is not None:
-                self.peak_pairs = max(self.peak_pairs, result.pairs[1])
-            return result
-        return self._graph_step(step, idx)
+            current.wait_stream(self.stream)
+        self.warm = True
+        if result.pairs is not None:
+            self.peak_pairs = max(self.peak_pairs, result.pairs[1])
+        return result
 
     def _eager(self, step: int, idx: int) -> StepResult:
         t = self.t
@@ -118,23 +147,19 @@ class GraphSteps:
                             scheduler=t.scheduler, mask=t.train_masks[idx])  # fmt: skip
 
     def _graph_step(self, step: int, idx: int) -> StepResult:
-        needed = _round_up(self.peak_pairs * CAPACITY_MARGIN)
-        if needed > self.budget.capacity:
-            self.budget.capacity = needed
-        key = self._key(step, idx)
-        self._load(step, idx)
-        if key != self.key:
-            self._capture(step, idx)
-            self.key = key
-        assert self.graph is not None and self.outputs is not None
-        self.graph.replay()
+        size = tuple(self.t.train_images[idx].shape)
+        inputs = self._load(step, idx)
+        entry = self.graphs.get(size)
+        if entry is None:
+            entry = self.graphs[size] = self._capture(step, inputs)
+        entry.graph.replay()
         self._release_slot()
         self.unsettled.append((step, idx))
         if len(self.unsettled) >= MAX_UNSETTLED:
             self.settle()
-        return self.outputs
+        return entry.outputs
 
-    def _load(self, step: int, idx: int) -> None:
+    def _load(self, step: int, idx: int) -> dict[str, Tensor]:
         """This step's values into the graph's inputs: Adam's scalars (counted on the host here,
         as an eager step counts them), the tag, the camera and the image; then the rate decay."""
         t = self.t
@@ -148,12 +173,15 @@ class GraphSteps:
         t.scheduler.step()
         viewmat, K = t.train_cams[idx]
         image = t.train_images[idx]
-        if not self.inputs or self.inputs["image"].shape != image.shape:
-            self.inputs = {"viewmat": viewmat.clone(), "K": K.clone(), "image": image.clone()}
+        inputs = self.inputs.get(tuple(image.shape))
+        if inputs is None:
+            inputs = self.inputs[tuple(image.shape)] = {"viewmat": viewmat.clone(), "K": K.clone(),
+                                                        "image": image.clone()}  # fmt: skip
         else:
-            self.inputs["viewmat"].copy_(viewmat)
-            self.inputs["K"].copy_(K)
-            self.inputs["image"].copy_(image)
+            inputs["viewmat"].copy_(viewmat)
+            inputs["K"].copy_(K)
+            inputs["image"].copy_(image)
+        return inputs
 
     def _release_slot(self) -> None:
         event = torch.cuda.Event()
@@ -161,11 +189,12 @@ class GraphSteps:
         self.slot_done[self.slot] = event
         self.slot = (self.slot + 1) % INFLIGHT
 
-    def _capture(self, step: int, idx: int) -> None:
+    def _capture(self, step: int, inputs: dict[str, Tensor]) -> _Graph:
         t = self.t
-        self.graph = self.outputs = None  # the old graph's memory goes back before the new capture
         for p in t.params.values():
             p.grad = None
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         renderer, runner = t.renderer, t.runner
         options = renderer.options
         renderer.options = replace(options, pair_budget=self.budget)
@@ -176,10 +205,10 @@ class GraphSteps:
         self.stream.wait_stream(current)
         try:
             with torch.cuda.stream(self.stream):
-                graph.capture_begin()
+                graph.capture_begin(pool=self.pool)
                 try:
-                    gt = self.inputs["image"].float() / 255.0
-                    result = runner.run(t.params, t.optimizers, step, self.inputs["viewmat"], self.inputs["K"], gt,
+                    gt = inputs["image"].float() / 255.0
+                    result = runner.run(t.params, t.optimizers, step, inputs["viewmat"], inputs["K"], gt,
                                         t.active_sh_degree(), t.background, scheduler=None, mask=None)  # fmt: skip
                 finally:
                     graph.capture_end()
@@ -188,9 +217,8 @@ class GraphSteps:
             runner.graph_adam = None
             t.strategy.set_skip_flag(None)
         current.wait_stream(self.stream)
-        self.graph = graph
-        self.outputs = StepResult(result.loss, result.terms, result.image, False, None)
         self.captures += 1
+        return _Graph(graph, StepResult(result.loss, result.terms, result.image, False, None))
 
     # ----------------------------------------------------------------- exactness
     def settle(self) -> StepResult | None:
@@ -213,6 +241,7 @@ class GraphSteps:
         # the largest view seen by any replay, the overflowed one included
         self.peak_pairs = max(self.peak_pairs, int(self.budget.pair_sum[2]))
         self.budget.capacity = max(_round_up(self.peak_pairs * CAPACITY_MARGIN), self.budget.capacity + CAPACITY_ROUND)
+        self._new_epoch(self._epoch_key(redo[0][0]))  # the graphs were built for the old capacity
         self.redos += 1
         result = None
         for s, i in redo:
