@@ -86,14 +86,15 @@ def lockstep(scene, steps: int, mode: str) -> None:
     for graphs in (True, False):
         seed_everything(0)
         cfg = build_config(overrides=[{"train": {"steps": 500, "cuda_graphs": graphs}, "render": {"atomic_mode": mode},
-                                       "strategy": {"refine_start": 4, "refine_every": 6, "reset_every": 9}}])
+                                       "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15}}])
         t = Trainer(cfg, scene, Path(f"/tmp/lock_{graphs}"), torch.device("cuda"), log=print)
         t.timer.enabled = False
         runs.append(t)
     g, e = runs
     for step in range(steps):
-        g.train_step(step)
-        e.train_step(step)
+        for run in (g, e):
+            torch.cuda.manual_seed(1000 + step)  # a split samples positions: the same draws
+            run.train_step(step)
         g.graphs.settle()
         torch.cuda.synchronize()
         n = (len(g.params["means"]), len(e.params["means"]))

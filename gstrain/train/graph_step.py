@@ -77,23 +77,28 @@ class GraphSteps:
         self.seen: dict[tuple, int] = {}  # graph-safe steps per image shape in this epoch
         self.pool: Any = None
         self.inputs: dict[tuple, dict[str, Tensor]] = {}  # per image shape: camera and image buffers
+        self.image_buffer: Tensor | None = None
+        self.camera: dict[str, Tensor] = {}
         self.unsettled: list[tuple[int, int]] = []  # (step, view) replayed since the last settle
         self.warm = False  # an eager step has run (lazily made state exists)
         self.views = 0  # settled graph steps: the views pair_sum counts
         self.captures = 0
         self.redos = 0
+        self.eager_steps: dict[str, int] = {}  # eager steps by reason (eager_reason)
 
     # ----------------------------------------------------------------- policy
-    def replayable(self, step: int, idx: int) -> bool:
-        """May `step` (on view idx) be a graph step? Otherwise it runs eagerly."""
+    def eager_reason(self, step: int, idx: int) -> str | None:
+        """Why `step` (on view idx) must run eagerly; None when a graph may run it."""
         t = self.t
         tuner = t.renderer.tuner
         if tuner is not None and tuner.tuning:
             tuner.poll()  # finish a round whose timings are in (never blocks)
-        return (
-            self.warm and not t.timer.enabled and t.viewer is None and t.train_masks[idx] is None
-            and (tuner is None or not tuner.tuning) and t.strategy.graph_safe_at(step)
+        reasons = (
+            ("first", not self.warm), ("timed", t.timer.enabled), ("viewer", t.viewer is not None),
+            ("mask", t.train_masks[idx] is not None), ("arc_tuning", tuner is not None and tuner.tuning),
+            ("strategy", not t.strategy.graph_safe_at(step)),
         )  # fmt: skip
+        return next((name for name, applies in reasons if applies), None)
 
     def _epoch_key(self, step: int) -> tuple:
         """Everything a captured step bakes in, the image size aside."""
@@ -114,7 +119,8 @@ class GraphSteps:
     # ----------------------------------------------------------------- steps
     def run(self, step: int, idx: int) -> StepResult:
         """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
-        if self.replayable(step, idx):
+        reason = self.eager_reason(step, idx)
+        if reason is None:
             needed = _round_up(self.peak_pairs * CAPACITY_MARGIN)
             self.budget.capacity = max(self.budget.capacity, needed)
             key = self._epoch_key(step)
@@ -124,6 +130,8 @@ class GraphSteps:
             self.seen[size] = self.seen.get(size, 0) + 1
             if size in self.graphs or self.seen[size] > CAPTURE_AFTER:
                 return self._graph_step(step, idx)
+            reason = "size_not_captured"
+        self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
         self.settle()  # an eager step may read what earlier replays wrote (densification)
         if self.warm:
             result = self._eager(step, idx)
@@ -173,14 +181,17 @@ class GraphSteps:
         t.scheduler.step()
         viewmat, K = t.train_cams[idx]
         image = t.train_images[idx]
+        if self.image_buffer is None:  # every size's image input is a view of one buffer
+            largest = max(i.numel() for i in t.train_images)
+            self.image_buffer = torch.empty(largest, dtype=image.dtype, device=image.device)
+            self.camera = {"viewmat": viewmat.clone(), "K": K.clone()}
         inputs = self.inputs.get(tuple(image.shape))
         if inputs is None:
-            inputs = self.inputs[tuple(image.shape)] = {"viewmat": viewmat.clone(), "K": K.clone(),
-                                                        "image": image.clone()}  # fmt: skip
-        else:
-            inputs["viewmat"].copy_(viewmat)
-            inputs["K"].copy_(K)
-            inputs["image"].copy_(image)
+            view = self.image_buffer[: image.numel()].view(image.shape)
+            inputs = self.inputs[tuple(image.shape)] = {**self.camera, "image": view}
+        self.camera["viewmat"].copy_(viewmat)
+        self.camera["K"].copy_(K)
+        inputs["image"].copy_(image)
         return inputs
 
     def _release_slot(self) -> None:
@@ -258,7 +269,7 @@ class GraphSteps:
     def summary(self) -> dict[str, Any]:
         """For the run record: how the steps ran."""
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
-                "pair_capacity": self.budget.capacity}  # fmt: skip
+                "pair_capacity": self.budget.capacity, "eager_steps": dict(self.eager_steps)}  # fmt: skip
 
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
