@@ -86,6 +86,7 @@ class DistTrainer(Trainer):
         if cfg.strategy.name != "default" or cfg.strategy.absgrad:
             raise UserError("distributed training supports strategy.name=default without strategy.absgrad")
         super().__init__(cfg, scene, run_dir, device, log=log if self.rank == 0 else (lambda m: None))
+        self.graphs = None  # a sharded step exchanges records between ranks: not a CUDA graph
         # [V, W]: how many of what training view v touches rank r owns (at the last partition);
         # each step's views go to their homes by it, balanced over the ranks (assign_homes)
         self.view_counts = torch.zeros(0, self.world, dtype=torch.int64)
