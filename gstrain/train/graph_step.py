@@ -33,6 +33,7 @@ from gstrain.train import fused_adam
 from gstrain.train.step import StepResult
 
 CAPACITY_MARGIN = 1.5  # pair buffers hold this many times the most pairs an eager step has seen
+CAPACITY_HEADROOM = 1.1  # ... and grow once that many times the most pairs would not fit
 CAPACITY_ROUND = 1 << 16
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
@@ -104,28 +105,29 @@ class GraphSteps:
         """Everything a captured step bakes in, the image size aside."""
         t = self.t
         params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
-        moments = tuple(
-            (s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr())
-            for s in (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
-        )
+        states = (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
+        moments = tuple(tuple(s[k].data_ptr() if k in s else None for k in ("exp_avg", "exp_avg_sq")) for s in states)
         return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), t.renderer.atomic_threshold,
                 self.budget.capacity)  # fmt: skip
 
-    def _new_epoch(self, key: tuple | None) -> None:
+    def _new_epoch(self, key: tuple | None, keep_seen: bool = False) -> None:
         if self.graphs:
             torch.cuda.current_stream().synchronize()  # no replay of a dropped graph is still running
-        self.graphs, self.seen, self.pool, self.epoch = {}, {}, None, key
+        self.graphs, self.pool, self.epoch = {}, None, key
+        if not keep_seen:
+            self.seen = {}
 
     # ----------------------------------------------------------------- steps
     def run(self, step: int, idx: int) -> StepResult:
         """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
         reason = self.eager_reason(step, idx)
         if reason is None:
-            needed = _round_up(self.peak_pairs * CAPACITY_MARGIN)
-            self.budget.capacity = max(self.budget.capacity, needed)
+            if self.peak_pairs * CAPACITY_HEADROOM > self.budget.capacity:  # grow in steps, not per view
+                self.budget.capacity = max(self.budget.capacity, _round_up(self.peak_pairs * CAPACITY_MARGIN))
             key = self._epoch_key(step)
             if key != self.epoch:
-                self._new_epoch(key)
+                # a larger capacity alone keeps the sizes' counts: they still come up as often
+                self._new_epoch(key, keep_seen=self.epoch is not None and key[:-1] == self.epoch[:-1])
             size = tuple(self.t.train_images[idx].shape)
             self.seen[size] = self.seen.get(size, 0) + 1
             if size in self.graphs or self.seen[size] > CAPTURE_AFTER:
@@ -251,8 +253,9 @@ class GraphSteps:
         self.budget.flag.zero_()
         # the largest view seen by any replay, the overflowed one included
         self.peak_pairs = max(self.peak_pairs, int(self.budget.pair_sum[2]))
-        self.budget.capacity = max(_round_up(self.peak_pairs * CAPACITY_MARGIN), self.budget.capacity + CAPACITY_ROUND)
-        self._new_epoch(self._epoch_key(redo[0][0]))  # the graphs were built for the old capacity
+        grown = _round_up(self.peak_pairs * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
+        self.budget.capacity = max(grown, self.budget.capacity + CAPACITY_ROUND)
+        self._new_epoch(self._epoch_key(redo[0][0]), keep_seen=True)  # the graphs were built for the old capacity
         self.redos += 1
         result = None
         for s, i in redo:
