@@ -92,3 +92,104 @@ def test_arc_retunes_once_the_population_moved_a_fifth():
     assert rounds == [1, 1, 1, 2, 2, 3, 3]
     renderer.gaussians_changed()  # no count: always
     assert tuner.rounds == 4
+
+
+def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[list, object]:
+    """A CPU trainer whose GraphSteps decides as on a GPU; a graph step (capture or replay) is
+    stood in for by the eager step, so the run trains, and is recorded as "graph"."""
+    from gstrain.data.colmap import load_scene
+    from gstrain.train.graph_step import GraphSteps
+    from gstrain.train.trainer import Trainer
+
+    scene = load_scene(demo_scene)
+    cfg = build_config(overrides=[{
+        "train": {"steps": 500},
+        "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15, "grow_grad2d": 0.0},
+    }])  # fmt: skip
+    trainer = Trainer(cfg, scene, tmp_path / "run", torch.device("cpu"), log=lambda m: None)
+    graphs = GraphSteps(trainer)
+    kinds = []
+
+    def graph_step(step: int, idx: int):
+        kinds[-1] = "graph"
+        return graphs._eager(step, idx)
+
+    monkeypatch.setattr(graphs, "_graph_step", graph_step)
+    trainer.graphs = graphs
+    for step in range(steps):
+        trainer.timer.enabled = step % 7 == 0 and step > 0  # as fit does with log.time_every=7
+        before = dict(graphs.eager_steps)
+        kinds.append(None)
+        trainer.train_step(step)
+        if kinds[-1] is None:
+            (reason,) = [k for k, n in graphs.eager_steps.items() if n != before.get(k, 0)]
+            kinds[-1] = reason
+    return kinds, graphs
+
+
+def test_graph_policy_step_by_step(demo_scene, tmp_path, monkeypatch):
+    kinds, graphs = _policy_run(demo_scene, tmp_path, monkeypatch)
+    # worked by hand: step 0 runs eagerly (first); refinements at 10, 20 and the opacity reset at 15
+    # change the model's tensors, so each starts an epoch whose first two graph-safe steps run
+    # eagerly (the image size is captured on its third); timed steps (every 7th) run eagerly
+    snc, g = "size_not_captured", "graph"
+    expected = [
+        "first", snc, snc, g, g, g, g, "timed", g, g,  # 0-9
+        "strategy", snc, snc, g, "timed", "strategy", snc, snc, g, g,  # 10-19
+        "strategy", "timed", snc, snc, g, g, g, g, "timed", g,  # 20-29
+    ]
+    assert kinds == expected
+    assert graphs.eager_steps == {"first": 1, "timed": 4, "strategy": 3, snc: 8}
+
+
+class _FakeTrainer:
+    """What GraphSteps.settle reads of a trainer: two Adams and a position-rate decay."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
+        self.optimizers = {k: torch.optim.Adam([p], lr=0.1) for k, p in self.params.items()}
+        for p in self.params.values():
+            p.grad = torch.ones_like(p)
+        for opt in self.optimizers.values():
+            opt.step()  # step 1: the state exists, as after the first eager step
+        self.scheduler = ExponentialDecay(self.optimizers["a"], 0.5)
+        self.strategy = DefaultStrategy(StrategyConfig(), 1.0, self.device)
+        self.renderer = type("R", (), {"atomic_threshold": 8, "tuner": None})()
+        self.train_images = [torch.zeros(4, 4, 3, dtype=torch.uint8)]
+
+    def active_sh_degree(self) -> int:
+        return 0
+
+    def adam_steps(self) -> list[float]:
+        return [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in self.optimizers.values()]
+
+
+def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
+    from gstrain.train.graph_step import GraphSteps
+
+    t = _FakeTrainer()
+    graphs = GraphSteps(t)
+    runs = []
+
+    def graph_step(step: int, idx: int):  # the host's share of a replay: counts, decay, bookkeeping
+        fused_adam.advance(t.optimizers)
+        t.scheduler.step()
+        graphs.unsettled.append((step, idx))
+        runs.append(step)
+
+    monkeypatch.setattr(graphs, "_graph_step", graph_step)
+    for step in range(1, 9):
+        graphs._graph_step(step, 0)
+    assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8
+    graphs.budget.flag.fill_(5 + 1)  # step 5's tag: it overflowed, and (the flag is sticky) 6-8 were skipped
+    graphs.budget.pair_sum[2] = 3_000_000  # the overflowed view's pairs
+    capacity = graphs.budget.capacity
+    assert graphs.settle() is None  # the fake replays return nothing
+    assert runs == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8]  # 5-8 again, in order
+    assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8  # rewound by 4, advanced by 4
+    assert graphs.views == 8 and graphs.redos == 1 and not graphs.unsettled
+    assert int(graphs.budget.flag) == 0
+    assert graphs.budget.capacity >= 3_000_000 > capacity
+    graphs.budget.flag.zero_()
+    assert graphs.settle() is None and runs[-1] == 8  # nothing in flight: no redo

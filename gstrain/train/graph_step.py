@@ -69,10 +69,11 @@ class GraphSteps:
         self.scalars = torch.zeros(n_scalars, device=self.device)
         self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])
         self.peak_pairs = 0
-        self.pinned = torch.zeros((INFLIGHT, n_scalars), pin_memory=True)
+        on_gpu = self.device.type == "cuda"  # (the policy and the bookkeeping also run on the CPU, in tests)
+        self.pinned = torch.zeros((INFLIGHT, n_scalars), pin_memory=on_gpu)
         self.slot_done: list[torch.cuda.Event | None] = [None] * INFLIGHT
         self.slot = 0
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.epoch: tuple | None = None
         self.graphs: dict[tuple, _Graph] = {}  # this epoch's, by image shape
         self.seen: dict[tuple, int] = {}  # graph-safe steps per image shape in this epoch
@@ -111,7 +112,7 @@ class GraphSteps:
                 self.budget.capacity)  # fmt: skip
 
     def _new_epoch(self, key: tuple | None, keep_seen: bool = False) -> None:
-        if self.graphs:
+        if self.graphs and self.stream is not None:
             torch.cuda.current_stream().synchronize()  # no replay of a dropped graph is still running
         self.graphs, self.pool, self.epoch = {}, None, key
         if not keep_seen:
@@ -135,7 +136,7 @@ class GraphSteps:
             reason = "size_not_captured"
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
         self.settle()  # an eager step may read what earlier replays wrote (densification)
-        if self.warm:
+        if self.warm or self.stream is None:
             result = self._eager(step, idx)
         else:
             # lazily made state (cuBLAS workspaces, Adam moments) made on the capture stream
