@@ -1,7 +1,8 @@
-"""Development probe for train.cuda_graphs: which part of the graph key changes between captures,
-and how one graph step compares with the same eager step from the same state.
+"""Development probe for train.cuda_graphs: which part of the epoch key (what every graph of an
+epoch bakes in) changes between epochs, and how one graph step compares with the same eager step
+from the same state.
 
-    python -m bench.graph_debug SCENE [--steps 40] [--mode warp]
+    python -m bench.graph_debug SCENE [--steps 43] [--mode warp] [--lockstep N]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from gstrain.data.colmap import load_scene
 from gstrain.train import graph_step
 from gstrain.train.trainer import Trainer, seed_everything
 
-NAMES = ("params", "moments", "strategy", "sh", "image", "threshold", "capacity")
+NAMES = ("params", "moments", "strategy", "sh", "threshold", "capacity")
 
 
 def main() -> None:
@@ -38,17 +39,17 @@ def main() -> None:
     t.timer.enabled = False
     g = t.graphs
     last: list = [None]
-    original = g._key
+    original = g._epoch_key
 
-    def key(step: int, idx: int) -> tuple:
-        k = original(step, idx)
+    def key(step: int) -> tuple:
+        k = original(step)
         if last[0] is not None and k != last[0]:
             diff = [n for n, a, b in zip(NAMES, k, last[0], strict=True) if a != b]
             print(f"step {step}: key changed in {diff}")
         last[0] = k
         return k
 
-    g._key = key
+    g._epoch_key = key
     for step in range(args.steps):
         t.train_step(step)
     g.settle()
@@ -61,7 +62,7 @@ def main() -> None:
     e.timer.enabled = False
     e.load_state_dict(copy.deepcopy(t.state_dict()))
     t.graphs.warm = True
-    step = t.step
+    step = args.steps  # the step after the loop's (train_step does not advance t.step)
     for who in (t, e):
         who.sampler.load_state_dict(copy.deepcopy(t.sampler.state_dict()))
     before = {k: v.detach().clone() for k, v in t.params.items()}

@@ -118,8 +118,9 @@ class LogConfig:
     progress_every: int = 25  # progress bar / NaN check cadence (each is one host sync)
     tb_every: int = 100  # TensorBoard scalars and per-phase timings
     # time the phases of every Nth step (events cost host time; 1 = every step). A timed step runs
-    # eagerly, not as a CUDA graph (train.cuda_graphs), so timing often slows the run
-    time_every: int = 50
+    # eagerly, not as a CUDA graph (train.cuda_graphs), so timing often slows the run. 49 shares no
+    # factor with refine_every's 100: timed steps meet refinements at their own rate, not every other time
+    time_every: int = 49
     eval_steps: list[int] = field(default_factory=lambda: [7000, 30_000])
     save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports
     ckpt_every: int = 1000  # full checkpoints, so a crash or NaN loses at most this many steps
