@@ -7,17 +7,20 @@ Python (bench/trace_step.py), not by the GPU. A captured graph replays the whole
 What a graph freezes, and how each is handled:
 - shapes and addresses: the intersection is sync-free into fixed-capacity buffers
   (render/isect.PairBudget); parameters, Adam moments and statistics keep their storage between
-  densifications, and a step whose key (those addresses, the SH degree, the image size, ARC's
-  threshold, the capacity, ...) differs from the captured one captures anew;
+  densifications. An epoch lasts while those addresses, the SH degree, ARC's threshold and the
+  capacity stay the same; its graphs are kept per image size (gsplat's projection bakes the size
+  in) and dropped when it ends;
 - per-step values: Adam's step sizes and bias corrections come from a device tensor refilled
   before each replay (fused_adam.advance); the view's camera and image are copied into the
   graph's inputs;
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
-  (log.time_every), ARC's tuning calls, masked views, batches, and the first step.
+  (log.time_every), ARC's tuning calls, masked views, the first step, and an image size's first
+  CAPTURE_AFTER steps of an epoch. Batches (train.batch_size > 1) never use graphs.
 Exactness: a view whose pairs overflow the capacity sets the budget's sticky flag, and Adam and
 the statistics are no-ops while it is set. Before the host reads anything (settle()), it checks
-the flag and redoes the steps from the first overflowed one with twice the capacity. A graph
-step computes the eager step's function (tests/test_graph_cuda.py checks it).
+the flag and redoes the steps from the first overflowed one with a capacity that fits it. A
+graph step computes the eager step's function (tests/test_graph_cuda.py checks it on a GPU,
+tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU).
 """
 
 from __future__ import annotations
