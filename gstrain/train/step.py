@@ -8,7 +8,8 @@ runs, with the same speed switches:
   optim.fused_adam     one launch of our multi-tensor Adam instead of six torch Adam steps
   optim.sparse_adam    only the Gaussians drawn this step are updated
   strategy.fast_stats  DefaultStrategy's statistics without its three host syncs a step
-Nothing here reads a value back from the GPU.
+Nothing here reads a value back from the GPU. train.cuda_graphs (graph_step.py) captures this
+same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
 """
 
 from __future__ import annotations
