@@ -34,8 +34,9 @@ TILE_SIZE = 16
 MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu", "isect.cu")
-_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h")
+_SOURCES = ("bindings.cpp", "isect_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu",
+            "isect.cu")
+_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h", "isect_bindings.h", "torch_checks.h")
 _SOURCE_PATHS = tuple(_CSRC / f for f in _SOURCES)
 _HEADER_PATHS = tuple(_CSRC / f for f in _HEADERS)
 
