@@ -159,6 +159,7 @@ def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overfl
     if overflow:  # buffers for a fifth of the most pairs seen: the first replay overflows
         monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
         monkeypatch.setattr(graph_step, "CAPACITY_MARGIN", 0.2)
+        graphed.graphs.budget.capacity = 64  # made at the default rounding, before the patch
     for step in range(30):
         for run in (graphed, eager):
             torch.cuda.manual_seed(1000 + step)
