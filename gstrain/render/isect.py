@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,6 +57,25 @@ class CappedPairs:
     n_isects: Tensor
 
 
+class _Counted(NamedTuple):
+    """isect_count's per-Gaussian counts, prefix-summed, and the inputs as the fill wants them."""
+
+    args: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # means2d, radii, depths, conics, opacities
+    size: tuple[int, int, int]  # width, height, tile_size
+    totals: Tensor  # [pairs of the bounding rectangles, pairs kept] int64 on the device
+    cum: Tensor  # [C*N] int64: Gaussian i's pairs end at cum[i]
+
+
+def _count(ext: ModuleType, means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor, opacities: Tensor,
+           width: int, height: int, tile_size: int) -> _Counted:  # fmt: skip
+    means2d, radii = means2d.float().contiguous(), radii.int().contiguous()
+    conics, opacities = conics.float().contiguous(), opacities.float().contiguous()
+    size = (int(width), int(height), int(tile_size))
+    counts, totals = ext.isect_count(means2d, radii, conics, opacities, *size)
+    cum = torch.cumsum(counts, 0, dtype=torch.int64)
+    return _Counted((means2d, radii, depths.float().contiguous(), conics, opacities), size, totals, cum)
+
+
 @torch.no_grad()
 def culled_intersection(
     ext: ModuleType,
@@ -75,15 +95,9 @@ def culled_intersection(
     """
     from gsplat import isect_offset_encode
 
-    means2d, radii = means2d.float().contiguous(), radii.int().contiguous()
-    conics, opacities = conics.float().contiguous(), opacities.float().contiguous()
-    size = (int(width), int(height), int(tile_size))
-    counts, totals = ext.isect_count(means2d, radii, conics, opacities, *size)
-    cum = torch.cumsum(counts, 0, dtype=torch.int64)  # Gaussian i's pairs end at cum[i]
-    before, after = totals.tolist()  # the one host sync: both counts in one read
-    isect_ids, flatten_ids = ext.isect_fill(
-        means2d, radii, depths.float().contiguous(), conics, opacities, cum, after, *size
-    )
+    c = _count(ext, means2d, radii, depths, conics, opacities, width, height, tile_size)
+    before, after = c.totals.tolist()  # the one host sync: both counts in one read
+    isect_ids, flatten_ids = ext.isect_fill(*c.args, c.cum, after, *c.size)
     tiles_x = (width + tile_size - 1) // tile_size
     tiles_y = (height + tile_size - 1) // tile_size
     offsets = isect_offset_encode(isect_ids, means2d.shape[0], tiles_x, tiles_y)
@@ -104,13 +118,8 @@ def capped_intersection(
     budget: PairBudget,
 ) -> CappedPairs:
     """culled_intersection's pairs with no host sync, into budget.capacity slots."""
-    means2d, radii = means2d.float().contiguous(), radii.int().contiguous()
-    conics, opacities = conics.float().contiguous(), opacities.float().contiguous()
-    size = (int(width), int(height), int(tile_size))
-    counts, totals = ext.isect_count(means2d, radii, conics, opacities, *size)
-    cum = torch.cumsum(counts, 0, dtype=torch.int64)
+    c = _count(ext, means2d, radii, depths, conics, opacities, width, height, tile_size)
     offsets, flatten_ids, n_isects = ext.isect_fill_capped(
-        means2d, radii, depths.float().contiguous(), conics, opacities, cum, totals, budget.capacity,
-        budget.tag, budget.flag, budget.pair_sum, *size,
-    )  # fmt: skip
+        *c.args, c.cum, c.totals, budget.capacity, budget.tag, budget.flag, budget.pair_sum, *c.size
+    )
     return CappedPairs(offsets, flatten_ids, n_isects)

@@ -105,11 +105,38 @@ std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor &keys, const at::T
     return {keys_sorted, ids_sorted};
 }
 
-void check_fill_inputs(const IsectArgs &a, const at::Tensor &depths, const at::Tensor &cum) {
+// The key's tile field width and the sort's bit range (gsplat's isect_ids: camera | tile | depth).
+struct KeyBits {
+    int tile_bits;
+    int end_bit;
+};
+
+KeyBits key_bits(const IsectArgs &a) {
+    const int tile_bits = bit_width((int64_t)a.tiles_x * a.tiles_y);
+    return {tile_bits, 32 + tile_bits + bit_width(a.n_cams)};
+}
+
+// isect_fill_kernel into `slots` fresh (keys, ids) slots: Gaussian i's pairs at [cum[i-1], cum[i]),
+// none at or past `slots`.
+std::pair<at::Tensor, at::Tensor> fill_pairs(const IsectArgs &a, const at::Tensor &depths, const at::Tensor &cum,
+                                             int64_t slots, int tile_bits, cudaStream_t stream) {
     const int64_t n = (int64_t)a.n_cams * a.n_gauss;
     check_tensor(depths, "depths", at::kFloat);
     check_tensor(cum, "cum", at::kLong);
     TORCH_CHECK(depths.numel() == n && cum.numel() == n, "depths and cum must hold C*N values");
+    TORCH_CHECK(slots >= 0 && slots < (int64_t(1) << 31), "pair count out of range: ", slots);
+    const auto opts = depths.options();
+    at::Tensor keys = at::empty({slots}, opts.dtype(at::kLong));
+    at::Tensor ids = at::empty({slots}, opts.dtype(at::kInt));
+    if (slots == 0) return {keys, ids};
+    check_cuda(
+        launch_isect_fill(
+            a, depths.data_ptr<float>(), cum.data_ptr<int64_t>(), tile_bits, slots, keys.data_ptr<int64_t>(),
+            ids.data_ptr<int>(), stream
+        ),
+        "intersection fill"
+    );
+    return {keys, ids};
 }
 
 } // namespace
@@ -130,23 +157,11 @@ std::vector<at::Tensor> isect_fill(
 ) {
     const c10::cuda::CUDAGuard guard(means2d.device());
     const IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
-    check_fill_inputs(a, depths, cum);
-    TORCH_CHECK(n_pairs >= 0 && n_pairs < (int64_t(1) << 31), "pair count out of range: ", n_pairs);
-    const auto opts = means2d.options();
-    at::Tensor keys = at::empty({n_pairs}, opts.dtype(at::kLong));
-    at::Tensor ids = at::empty({n_pairs}, opts.dtype(at::kInt));
-    if (n_pairs == 0) return {keys, ids};
-    const int tile_bits = bit_width((int64_t)a.tiles_x * a.tiles_y);
-    const int end_bit = 32 + tile_bits + bit_width(a.n_cams);
+    const KeyBits bits = key_bits(a);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-    check_cuda(
-        launch_isect_fill(
-            a, depths.data_ptr<float>(), cum.data_ptr<int64_t>(), tile_bits, n_pairs, keys.data_ptr<int64_t>(),
-            ids.data_ptr<int>(), stream
-        ),
-        "intersection fill"
-    );
-    auto sorted = sort_pairs(keys, ids, n_pairs, end_bit, stream);
+    auto filled = fill_pairs(a, depths, cum, n_pairs, bits.tile_bits, stream);
+    if (n_pairs == 0) return {filled.first, filled.second};
+    auto sorted = sort_pairs(filled.first, filled.second, n_pairs, bits.end_bit, stream);
     return {sorted.first, sorted.second};
 }
 
@@ -154,7 +169,7 @@ std::vector<at::Tensor> isect_fill(
 // device, so nothing returns to the host and every shape is fixed (a CUDA graph can hold it).
 // -> isect_offsets [C, tiles_y, tiles_x] int32, flatten_ids [capacity] int32 (the first n_isects
 //    real), n_isects [1] int32. totals: isect_count's; tag [1] float32, flag [1] int32 and
-//    pair_sum [2] int64 as IsectPad describes.
+//    pair_sum [3] int64 as IsectPad describes.
 std::vector<at::Tensor> isect_fill_capped(
     const at::Tensor &means2d,
     const at::Tensor &radii,
@@ -173,28 +188,19 @@ std::vector<at::Tensor> isect_fill_capped(
 ) {
     const c10::cuda::CUDAGuard guard(means2d.device());
     const IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
-    check_fill_inputs(a, depths, cum);
     check_tensor(totals, "totals", at::kLong);
     check_tensor(tag, "tag", at::kFloat);
     check_tensor(flag, "flag", at::kInt);
     check_tensor(pair_sum, "pair_sum", at::kLong);
     TORCH_CHECK(totals.numel() == 2 && pair_sum.numel() == 3 && tag.numel() >= 1 && flag.numel() == 1,
                 "isect_fill_capped: bad bookkeeping tensors");
-    TORCH_CHECK(capacity > 0 && capacity < (int64_t(1) << 31), "pair capacity out of range: ", capacity);
+    TORCH_CHECK(capacity > 0, "pair capacity must be positive, got ", capacity);
     const auto opts = means2d.options();
-    at::Tensor keys = at::empty({capacity}, opts.dtype(at::kLong));
-    at::Tensor ids = at::empty({capacity}, opts.dtype(at::kInt));
     at::Tensor n_isects = at::empty({1}, opts.dtype(at::kInt));
-    const int tile_bits = bit_width((int64_t)a.tiles_x * a.tiles_y);
-    const int end_bit = 32 + tile_bits + bit_width(a.n_cams);
+    const KeyBits bits = key_bits(a);
+    const int tile_bits = bits.tile_bits, end_bit = bits.end_bit;
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-    check_cuda(
-        launch_isect_fill(
-            a, depths.data_ptr<float>(), cum.data_ptr<int64_t>(), tile_bits, capacity, keys.data_ptr<int64_t>(),
-            ids.data_ptr<int>(), stream
-        ),
-        "intersection fill"
-    );
+    auto [keys, ids] = fill_pairs(a, depths, cum, capacity, tile_bits, stream);
     IsectPad pad{};
     pad.totals = reinterpret_cast<const unsigned long long *>(totals.data_ptr<int64_t>());
     pad.capacity = capacity;
