@@ -18,7 +18,7 @@ from gstrain.data.colmap import load_scene
 from gstrain.train import graph_step
 from gstrain.train.trainer import Trainer, seed_everything
 
-NAMES = ("params", "moments", "strategy", "sh", "threshold", "capacity")
+NAMES = ("params", "moments", "strategy", "sh", "threshold")
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ SWITCHES = {
     "torch Adam": ("optim", "fused_adam", False),
     "gsplat stats": ("strategy", "fast_stats", False),
     "no ellipse cull": ("render", "ellipse_cull", False),
+    "no CUDA graphs": ("train", "cuda_graphs", False),
 }
 # Opt-in switches (off by default): profiled turned on over the configuration as given; off in the baseline.
 OPT_IN = {
@@ -54,7 +55,9 @@ TABLE_ROWS = (
     ("step total (GPU events)", "total"),
     ("tile pairs per view (thousands)", "pairs_k"),
     ("host time", "host"),
-    ("step wall clock", "wall"),
+    ("step wall clock, timed steps", "timed_wall"),
+    ("step wall clock, as fit runs", "wall"),
+    ("share of steps as CUDA graphs", "graph_share"),
     ("peak memory (GiB)", "peak_gib"),
 )
 
@@ -162,6 +165,7 @@ class WorkloadSteps:
         self.runner = StepRunner(run_cfg, renderer, build_strategy(run_cfg.strategy, work.extent, self.device),
                                  self.timer, self.device)  # fmt: skip
         self.tuner = renderer.tuner
+        self.cfg = run_cfg
         self.background = torch.zeros(3, device=self.device)
         self.step = 0
         self.pairs: tuple[int, int, int] | None = None  # the last step's (StepResult.pairs)
@@ -180,10 +184,15 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
     """Per-window phase times (ms per step) of `iters` training steps run with `cfg`.
 
     The steps are the trainer's own (StepRunner). They run in windows of `window` steps with no
-    sync inside a window, as in `gstrain fit`, so host overhead and host syncs show up in `wall`
-    (wall clock per step) and `host` (host time per step) as they would in training. The phase
-    rows are CUDA events: GPU time, plus any time the GPU waited for the host inside a phase.
+    sync inside a window, as in `gstrain fit`, so host overhead and host syncs show up in
+    `timed_wall` (wall clock per step) and `host` (host time per step) as they would in training.
+    The phase rows are CUDA events: GPU time, plus any time the GPU waited for the host inside a
+    phase. Then `iters` more steps run untimed, as fit runs all but every log.time_every-th step
+    (CUDA-graph replays where train.cuda_graphs applies): their wall clock is `wall`, and
+    `graph_share` the share that ran as graphs.
     """
+    from gstrain.profile_graphs import GraphHost
+
     gc.collect()  # the previous configuration's tensors, so that its memory is not counted here
     one_step = WorkloadSteps(work, cfg)
     device, timer, tuner = one_step.device, one_step.timer, one_step.tuner
@@ -210,7 +219,7 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
             one_step()
             pairs += one_step.pairs[1] if one_step.pairs else 0
         phases = timer.summary()  # waits for the window's GPU work
-        phases["wall"] = (time.perf_counter() - t0) * 1e3 / n
+        phases["timed_wall"] = (time.perf_counter() - t0) * 1e3 / n
         phases["host"] = sum(timer.last_host_ms.get(k, 0.0) for k in STEP_PHASES)
         phases["backward_rest"] = phases["backward"] - phases.get("raster_bwd", 0.0)
         phases["total"] = sum(phases.get(k, 0.0) for k in STEP_PHASES)
@@ -219,9 +228,11 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
         for key, value in phases.items():
             samples.setdefault(key, []).append(value)
         measured += n
+    samples["wall"], share = GraphHost(one_step, one_step.cfg).windows(iters, window)
+    samples["graph_share"] = [share]
     if tuner is not None:
         samples["arc_threshold"] = [float(tuner.threshold)]
-    if device.type == "cuda":  # the workload's own tensors included: the same in every configuration
+    if device.type == "cuda":  # the workload's own tensors (and any graphs' pools) included
         samples["peak_gib"] = [torch.cuda.max_memory_allocated(device) / 2**30]
     return samples
 

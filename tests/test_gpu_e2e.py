@@ -111,7 +111,7 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["switches"] is True
     assert list(report["median_ms"]) == ["all on", "gsplat raster", "conv SSIM", "torch Adam", "gsplat stats",
-                                         "no ellipse cull", "+ sparse Adam", "baseline"]
+                                         "no ellipse cull", "no CUDA graphs", "+ sparse Adam", "baseline"]
     for label, med in report["median_ms"].items():
         assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
         assert 0 < med["peak_gib"] <= torch.cuda.get_device_properties(0).total_memory / 2**30, label
@@ -119,6 +119,10 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
     # the cull's effect shows: fewer (Gaussian, tile) pairs than the same configuration without it
     assert 0 < report["median_ms"]["all on"]["pairs_k"] < report["median_ms"]["no ellipse cull"]["pairs_k"]
     assert "tile pairs per view" in proc.stdout
+    # the untimed steps ran as CUDA graphs where the switch is on, eagerly where it is off
+    med = report["median_ms"]
+    assert med["all on"]["graph_share"] > 0.5 and med["no CUDA graphs"]["graph_share"] == 0.0, med["all on"]
+    assert med["baseline"]["graph_share"] == 0.0 and med["all on"]["timed_wall"] > 0
 
 
 def test_render_on_cuda_png_frames(demo_scene, tmp_path):

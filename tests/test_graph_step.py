@@ -130,8 +130,24 @@ def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[lis
 def test_graph_policy_step_by_step(demo_scene, tmp_path, monkeypatch):
     kinds, graphs = _policy_run(demo_scene, tmp_path, monkeypatch)
     # worked by hand: step 0 runs eagerly (first); refinements at 10, 20 and the opacity reset at 15
-    # change the model's tensors, so each starts an epoch whose first two graph-safe steps run
-    # eagerly (the image size is captured on its third); timed steps (every 7th) run eagerly
+    # run eagerly (strategy), and so do timed steps (every 7th); every other step is a graph step
+    g = "graph"
+    expected = [
+        "first", g, g, g, g, g, g, "timed", g, g,  # 0-9
+        "strategy", g, g, g, "timed", "strategy", g, g, g, g,  # 10-19
+        "strategy", "timed", g, g, g, g, g, g, "timed", g,  # 20-29
+    ]
+    assert kinds == expected
+    assert graphs.eager_steps == {"first": 1, "timed": 4, "strategy": 3}
+
+
+def test_graph_policy_waits_capture_after_steps_per_epoch(demo_scene, tmp_path, monkeypatch):
+    from gstrain.train import graph_step
+
+    monkeypatch.setattr(graph_step, "CAPTURE_AFTER", 2)
+    kinds, graphs = _policy_run(demo_scene, tmp_path, monkeypatch)
+    # as above, but the refinements and the reset start epochs whose first two graph-safe steps
+    # run eagerly (the one image size is captured on its third)
     snc, g = "size_not_captured", "graph"
     expected = [
         "first", snc, snc, g, g, g, g, "timed", g, g,  # 0-9
@@ -147,6 +163,7 @@ class _FakeTrainer:
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
+        self.step = 0
         self.params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
         self.optimizers = {k: torch.optim.Adam([p], lr=0.1) for k, p in self.params.items()}
         for p in self.params.values():
@@ -176,20 +193,24 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
         fused_adam.advance(t.optimizers)
         t.scheduler.step()
         graphs.unsettled.append((step, idx))
-        runs.append(step)
+        runs.append((step, t.step))
 
     monkeypatch.setattr(graphs, "_graph_step", graph_step)
     for step in range(1, 9):
+        t.step = step
         graphs._graph_step(step, 0)
+    t.step = 9  # the trainer's count after step 8
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8
+    size = tuple(t.train_images[0].shape)
+    graphs.capacities[size] = 1 << 16
+    graphs.size_stats[size] = torch.tensor([0, 0, 3_000_000])  # the overflowed view's pairs, as the kernel keeps them
     graphs.budget.flag.fill_(5 + 1)  # step 5's tag: it overflowed, and (the flag is sticky) 6-8 were skipped
-    graphs.budget.pair_sum[2] = 3_000_000  # the overflowed view's pairs
-    capacity = graphs.budget.capacity
     assert graphs.settle() is None  # the fake replays return nothing
-    assert runs == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8]  # 5-8 again, in order
+    # 5-8 again, in order, each with the trainer's step as it was then; then the count is back
+    assert runs == [(s, s) for s in range(1, 9)] + [(s, s) for s in range(5, 9)] and t.step == 9
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8  # rewound by 4, advanced by 4
     assert graphs.views == 8 and graphs.redos == 1 and not graphs.unsettled
     assert int(graphs.budget.flag) == 0
-    assert graphs.budget.capacity >= 3_000_000 > capacity
+    assert graphs.capacities[size] >= 3_000_000 and graphs.size_peak[size] == 3_000_000
     graphs.budget.flag.zero_()
-    assert graphs.settle() is None and runs[-1] == 8  # nothing in flight: no redo
+    assert graphs.settle() is None and runs[-1] == (8, 8)  # nothing in flight: no redo

@@ -7,18 +7,21 @@ Python (bench/trace_step.py), not by the GPU. A captured graph replays the whole
 What a graph freezes, and how each is handled:
 - shapes and addresses: the intersection is sync-free into fixed-capacity buffers
   (render/isect.PairBudget); parameters, Adam moments and statistics keep their storage between
-  densifications. An epoch lasts while those addresses, the SH degree, ARC's threshold and the
-  capacity stay the same; its graphs are kept per image size (gsplat's projection bakes the size
-  in) and dropped when it ends;
+  densifications. An epoch lasts while those addresses, the SH degree and ARC's threshold stay
+  the same; its graphs are kept per image size (gsplat's projection bakes the size in) and
+  dropped when it ends. Each size has its own pair capacity, from the most pairs its views have
+  had (the sort covers the whole capacity, so one capacity for all sizes, set by the closest
+  view, made every view pay for it);
 - per-step values: Adam's step sizes and bias corrections come from a device tensor refilled
   before each replay (fused_adam.advance); the view's camera and image are copied into the
   graph's inputs;
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
   (log.time_every), ARC's tuning calls, masked views, the first step, and an image size's first
-  CAPTURE_AFTER steps of an epoch. Batches (train.batch_size > 1) never use graphs.
+  CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an eager step does,
+  bench/graph_study.py). Batches (train.batch_size > 1) never use graphs.
 Exactness: a view whose pairs overflow the capacity sets the budget's sticky flag, and Adam and
 the statistics are no-ops while it is set. Before the host reads anything (settle()), it checks
-the flag and redoes the steps from the first overflowed one with a capacity that fits it. A
+the flag and redoes the steps from the first overflowed one, its size's capacity grown to fit. A
 graph step computes the eager step's function (tests/test_graph_cuda.py checks it on a GPU,
 tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU).
 """
@@ -40,7 +43,7 @@ CAPACITY_HEADROOM = 1.1  # ... and grow once that many times the most pairs woul
 CAPACITY_ROUND = 1 << 16
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
-CAPTURE_AFTER = 2  # an image size is captured when it comes up for the third time in an epoch
+CAPTURE_AFTER = 0  # eager steps of an image size in an epoch before it is captured
 
 
 def _round_up(n: int) -> int:
@@ -53,6 +56,7 @@ class _Graph:
 
     graph: torch.cuda.CUDAGraph
     outputs: StepResult
+    capacity: int  # the pair capacity it was captured with
 
 
 class GraphSteps:
@@ -62,16 +66,19 @@ class GraphSteps:
     A graph is per image size (a scene whose views were undistorted camera by camera has many):
     the graphs of one epoch (the stretch between two changes of the key without the size) share
     one memory pool, which is safe because every replay's outputs are read before the next.
-    A size is captured once it has come up CAPTURE_AFTER times in the epoch, so that sizes seen
-    once between two densifications do not pay for captures they never replay."""
+    A size is captured once it has come up CAPTURE_AFTER times in the epoch."""
 
     def __init__(self, trainer: Any) -> None:
         self.t = trainer
         self.device = trainer.device
         n_scalars = 2 * len(trainer.optimizers) + 1  # Adam's pairs, then the step's tag
         self.scalars = torch.zeros(n_scalars, device=self.device)
-        self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])
-        self.peak_pairs = 0
+        self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])  # the shared tag and flag
+        # per image size: pair statistics on the device (PairBudget.pair_sum), the most pairs a
+        # view has had as the host knows it, and the capacity graphs are captured with
+        self.size_stats: dict[tuple, Tensor] = {}
+        self.size_peak: dict[tuple, int] = {}
+        self.capacities: dict[tuple, int] = {}
         on_gpu = self.device.type == "cuda"  # (the policy and the bookkeeping also run on the CPU, in tests)
         self.pinned = torch.zeros((INFLIGHT, n_scalars), pin_memory=on_gpu)
         self.slot_done: list[torch.cuda.Event | None] = [None] * INFLIGHT
@@ -111,28 +118,36 @@ class GraphSteps:
         params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
         states = (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
         moments = tuple(tuple(s[k].data_ptr() if k in s else None for k in ("exp_avg", "exp_avg_sq")) for s in states)
-        return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), t.renderer.atomic_threshold,
-                self.budget.capacity)  # fmt: skip
+        return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), t.renderer.atomic_threshold)
 
-    def _new_epoch(self, key: tuple | None, keep_seen: bool = False) -> None:
+    def _new_epoch(self, key: tuple | None) -> None:
         if self.graphs and self.stream is not None:
             torch.cuda.current_stream().synchronize()  # no replay of a dropped graph is still running
-        self.graphs, self.pool, self.epoch = {}, None, key
-        if not keep_seen:
-            self.seen = {}
+        self.graphs, self.pool, self.epoch, self.seen = {}, None, key, {}
+        if self.size_stats:  # the replays' largest views: capacities follow the growing model
+            sizes = list(self.size_stats)
+            for size, most in zip(sizes, torch.stack([self.size_stats[s][2] for s in sizes]).tolist(), strict=True):
+                self.size_peak[size] = max(self.size_peak.get(size, 0), int(most))
+
+    def _capacity(self, size: tuple) -> int:
+        """The pair capacity for `size`: CAPACITY_MARGIN times its most pairs, regrown once that
+        many times CAPACITY_HEADROOM no longer fits (a size never seen takes the largest)."""
+        peak = self.size_peak.get(size, max(self.size_peak.values(), default=0))
+        capacity = self.capacities.get(size, 0)
+        if peak * CAPACITY_HEADROOM > capacity:
+            capacity = self.capacities[size] = max(capacity, _round_up(peak * CAPACITY_MARGIN))
+        return capacity
 
     # ----------------------------------------------------------------- steps
     def run(self, step: int, idx: int) -> StepResult:
         """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
         reason = self.eager_reason(step, idx)
+        size = tuple(self.t.train_images[idx].shape)
         if reason is None:
-            if self.peak_pairs * CAPACITY_HEADROOM > self.budget.capacity:  # grow in steps, not per view
-                self.budget.capacity = max(self.budget.capacity, _round_up(self.peak_pairs * CAPACITY_MARGIN))
             key = self._epoch_key(step)
             if key != self.epoch:
-                # a larger capacity alone keeps the sizes' counts: they still come up as often
-                self._new_epoch(key, keep_seen=self.epoch is not None and key[:-1] == self.epoch[:-1])
-            size = tuple(self.t.train_images[idx].shape)
+                self.settle()  # a redo runs with the graphs its steps were captured for
+                self._new_epoch(key)
             self.seen[size] = self.seen.get(size, 0) + 1
             if size in self.graphs or self.seen[size] > CAPTURE_AFTER:
                 return self._graph_step(step, idx)
@@ -150,7 +165,7 @@ class GraphSteps:
             current.wait_stream(self.stream)
         self.warm = True
         if result.pairs is not None:
-            self.peak_pairs = max(self.peak_pairs, result.pairs[1])
+            self.size_peak[size] = max(self.size_peak.get(size, 0), result.pairs[1])
         return result
 
     def _eager(self, step: int, idx: int) -> StepResult:
@@ -163,9 +178,14 @@ class GraphSteps:
     def _graph_step(self, step: int, idx: int) -> StepResult:
         size = tuple(self.t.train_images[idx].shape)
         inputs = self._load(step, idx)
+        capacity = self._capacity(size)
         entry = self.graphs.get(size)
-        if entry is None:
-            entry = self.graphs[size] = self._capture(step, inputs)
+        if entry is None or entry.capacity != capacity:
+            stats = self.size_stats.get(size)
+            if stats is None:
+                stats = self.size_stats[size] = torch.zeros(3, dtype=torch.int64, device=self.device)
+            budget = PairBudget(capacity, self.budget.tag, self.budget.flag, stats)
+            entry = self.graphs[size] = self._capture(step, inputs, budget)
         entry.graph.replay()
         self._release_slot()
         self.unsettled.append((step, idx))
@@ -206,15 +226,16 @@ class GraphSteps:
         self.slot_done[self.slot] = event
         self.slot = (self.slot + 1) % INFLIGHT
 
-    def _capture(self, step: int, inputs: dict[str, Tensor]) -> _Graph:
+    def _capture(self, step: int, inputs: dict[str, Tensor], budget: PairBudget) -> _Graph:
         t = self.t
+        timed, t.timer.enabled = t.timer.enabled, False  # (a redo can capture during a timed step)
         for p in t.params.values():
             p.grad = None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         renderer, runner = t.renderer, t.runner
         options = renderer.options
-        renderer.options = replace(options, pair_budget=self.budget)
+        renderer.options = replace(options, pair_budget=budget)
         runner.graph_adam = (self.scalars, self.budget.flag)
         t.strategy.set_skip_flag(self.budget.flag)
         graph = torch.cuda.CUDAGraph()
@@ -233,9 +254,10 @@ class GraphSteps:
             renderer.options = options
             runner.graph_adam = None
             t.strategy.set_skip_flag(None)
+            t.timer.enabled = timed
         current.wait_stream(self.stream)
         self.captures += 1
-        return _Graph(graph, StepResult(result.loss, result.terms, result.image, False, None))
+        return _Graph(graph, StepResult(result.loss, result.terms, result.image, False, None), budget.capacity)
 
     # ----------------------------------------------------------------- exactness
     def settle(self) -> StepResult | None:
@@ -255,28 +277,38 @@ class GraphSteps:
         fused_adam.rewind(t.optimizers, len(redo))
         t.scheduler.rewind(len(redo))
         self.budget.flag.zero_()
-        # the largest view seen by any replay, the overflowed one included
-        self.peak_pairs = max(self.peak_pairs, int(self.budget.pair_sum[2]))
-        grown = _round_up(self.peak_pairs * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
-        self.budget.capacity = max(grown, self.budget.capacity + CAPACITY_ROUND)
-        self._new_epoch(self._epoch_key(redo[0][0]), keep_seen=True)  # the graphs were built for the old capacity
+        # the overflowed view's size: its most pairs (the overflowed view included) set its new capacity
+        size = tuple(t.train_images[redo[0][1]].shape)
+        most = int(self.size_stats[size][2])
+        self.size_peak[size] = max(self.size_peak.get(size, 0), most)
+        grown = _round_up(most * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
+        self.capacities[size] = max(grown, self.capacities.get(size, 0) + CAPACITY_ROUND)
         self.redos += 1
-        result = None
-        for s, i in redo:
-            result = self._graph_step(s, i)
+        result, now = None, t.step
+        try:
+            for s, i in redo:
+                t.step = s  # what the step read then (the SH degree, if its size is captured again)
+                result = self._graph_step(s, i)
+        finally:
+            t.step = now
         again = self.settle()
         return again if again is not None else result
 
     def pair_totals(self) -> tuple[int, int, int]:
         """(pairs before the cull, after it, views) over the settled graph steps."""
         self.settle()
-        before, after, _ = (int(v) for v in self.budget.pair_sum.tolist())
+        if not self.size_stats:
+            return 0, 0, self.views
+        before, after, _ = (int(v) for v in torch.stack(list(self.size_stats.values())).sum(0).tolist())
         return before, after, self.views
 
     def summary(self) -> dict[str, Any]:
         """For the run record: how the steps ran."""
+        capacities = sorted(self.capacities.values())
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
-                "pair_capacity": self.budget.capacity, "eager_steps": dict(self.eager_steps)}  # fmt: skip
+                "pair_capacity": {"sizes": len(capacities), "max": capacities[-1] if capacities else 0,
+                                  "median": capacities[len(capacities) // 2] if capacities else 0},
+                "eager_steps": dict(self.eager_steps)}  # fmt: skip
 
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
