@@ -189,7 +189,8 @@ def test_fit_with_graphs_trains_resumes_and_reports(demo_scene, tmp_path):
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--set", "train.stop_at=200", *common)
     assert proc.returncode == 0, proc.stderr
     initial = json.loads((run / "train_summary.json").read_text())["initial_test_psnr"]
-    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--resume", *common)
+    # stop_at is kept in the run's config: lifting it is how a paused run goes on (test_cli)
+    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--resume", "--set", "train.stop_at=0", *common)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
     graphs = summary["cuda_graphs"]  # the resumed process's own steps
