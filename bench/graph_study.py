@@ -132,9 +132,11 @@ def main() -> None:
     print(json.dumps({"graph_kernels_ms_per_step": round(total, 4), "top": rows}), flush=True)
     # pairs per view against the capacity every replay sorts
     before, after, views = graphs.pair_totals()
-    print(json.dumps({"capacity": graphs.budget.capacity, "peak_pairs": graphs.peak_pairs,
-                      "mean_pairs_after_cull": after / max(views, 1), "views": views,
-                      "sizes": len({tuple(i.shape) for i in trainer.train_images})}), flush=True)  # fmt: skip
+    per_size = {"x".join(map(str, size[:2])): {"capacity": graphs.capacities.get(size), "most": most}
+                for size, most in graphs.size_peak.items()}  # fmt: skip
+    print(json.dumps({"mean_pairs_after_cull": after / max(views, 1), "views": views,
+                      "sizes": len({tuple(i.shape) for i in trainer.train_images}), "per_size": per_size}),
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
