@@ -214,3 +214,28 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
     assert graphs.capacities[size] >= 3_000_000 and graphs.size_peak[size] == 3_000_000
     graphs.budget.flag.zero_()
     assert graphs.settle() is None and runs[-1] == (8, 8)  # nothing in flight: no redo
+
+
+def test_each_image_size_gets_a_capacity_from_its_own_views():
+    """The sort covers a graph's whole pair capacity, so a size's capacity follows its own views:
+    replays' per-size maxima (device statistics, read when an epoch ends) grow it, a size never
+    seen starts at the largest, and a capacity never shrinks."""
+    from gstrain.train.graph_step import GraphSteps
+
+    graphs = GraphSteps(_FakeTrainer())
+    small, large, unseen = (700, 1200, 3), (720, 1280, 3), (710, 1250, 3)
+    graphs.size_peak[small] = 200_000  # from eager steps
+    graphs.size_stats[large] = torch.tensor([0, 0, 3_000_000])  # from replays, on the device
+    graphs._new_epoch(("key",))
+    assert graphs.size_peak[large] == 3_000_000
+    cap_small, cap_large = graphs._capacity(small), graphs._capacity(large)
+    assert 200_000 < cap_small < 1_000_000 and cap_large > 3_000_000
+    assert graphs._capacity(unseen) >= 3_000_000  # no count yet: the largest known
+    graphs.size_stats[small] = torch.tensor([0, 0, 150_000])  # fewer pairs now: the capacity stays
+    graphs._new_epoch(("key2",))
+    assert graphs._capacity(small) == cap_small
+    graphs.size_stats[small] = torch.tensor([0, 0, cap_small])  # grown past the headroom: regrown
+    graphs._new_epoch(("key3",))
+    assert graphs._capacity(small) > cap_small
+    summary = graphs.summary()["pair_capacity"]
+    assert summary["sizes"] == 3 and summary["max"] == max(graphs.capacities.values())
