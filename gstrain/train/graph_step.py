@@ -132,7 +132,9 @@ class GraphSteps:
     def _capacity(self, size: tuple) -> int:
         """The pair capacity for `size`: CAPACITY_MARGIN times its most pairs, regrown once that
         many times CAPACITY_HEADROOM no longer fits (a size never seen takes the largest)."""
-        peak = self.size_peak.get(size, max(self.size_peak.values(), default=0))
+        peak = self.size_peak.get(size)
+        if peak is None:  # (not on every replay: a size that has a capacity has a count)
+            peak = max(self.size_peak.values(), default=0)
         capacity = self.capacities.get(size, 0)
         if peak * CAPACITY_HEADROOM > capacity:
             capacity = self.capacities[size] = max(capacity, _round_up(peak * CAPACITY_MARGIN))
