@@ -133,7 +133,7 @@ class GraphSteps:
         """The pair capacity for `size`: CAPACITY_MARGIN times its most pairs, regrown once that
         many times CAPACITY_HEADROOM no longer fits (a size never seen takes the largest)."""
         peak = self.size_peak.get(size)
-        if peak is None:  # (not on every replay: a size that has a capacity has a count)
+        if peak is None:  # only until the size has a count of its own
             peak = max(self.size_peak.values(), default=0)
         capacity = self.capacities.get(size, 0)
         if peak * CAPACITY_HEADROOM > capacity:
