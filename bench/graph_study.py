@@ -132,10 +132,13 @@ def main() -> None:
     print(json.dumps({"graph_kernels_ms_per_step": round(total, 4), "top": rows}), flush=True)
     # pairs per view against the capacity every replay sorts
     before, after, views = graphs.pair_totals()
-    per_size = {"x".join(map(str, size[:2])): {"capacity": graphs.capacities.get(size), "most": most}
-                for size, most in graphs.size_peak.items()}  # fmt: skip
-    print(json.dumps({"mean_pairs_after_cull": after / max(views, 1), "views": views,
-                      "sizes": len({tuple(i.shape) for i in trainer.train_images}), "per_size": per_size}),
+    # groups: image sizes, or views on the canvas (graph_step.GraphSteps)
+    per_group = {(f"view {g}" if isinstance(g, int) else "x".join(map(str, g[:2]))):
+                 {"capacity": graphs.capacities.get(g), "most": most}
+                 for g, most in graphs.group_peak.items()}  # fmt: skip
+    sizes = len({tuple(i.shape) for i in trainer.train_images})
+    print(json.dumps({"mean_pairs_after_cull": after / max(views, 1), "views": views, "sizes": sizes,
+                      "per_group": per_group}),
           flush=True)  # fmt: skip
 
 

@@ -5,7 +5,8 @@ Run by bench/gpu_tests.sh as
 (no caching allocator, so an access past a tensor's end leaves its own allocation and is seen).
 Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
 channel counts that take the direct (3), padded (5) and chunked (40) paths; then the culled
-tile intersection (render.ellipse_cull) on the same cameras.
+tile intersection (render.ellipse_cull) on the same cameras, the training-step kernels, and a
+step's kernels on a canvas (the device-sized projection, intersection, loss and statistics).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> int:
     print(f"sanitize case: {len(runs)} forward+backward runs done, {flatten_ids.numel()} intersections")
     if culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height):
         return 1
-    return step_kernels_case(gen)
+    return step_kernels_case(gen) or canvas_case(gen)
 
 
 def culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height) -> int:
@@ -101,12 +102,50 @@ def step_kernels_case(gen: torch.Generator) -> int:
     grad = torch.randn(n, 2, generator=gen).cuda()
     radii = torch.randint(0, 3, (n, 2), generator=gen, dtype=torch.int32).cuda()
     grad2d, count = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
-    build_all(["step_ops"])["step_ops"].grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count, None)
+    build_all(["step_ops"])["step_ops"].grad2d_stats(grad, radii, 160.0, 90.0, grad2d, count, None, None)
     torch.cuda.synchronize()
     if not all(torch.isfinite(p).all() for p in params) or not torch.isfinite(grad2d).all():
         print("sanitize case: non-finite values from the step kernels")
         return 1
     print("sanitize case: step kernels done")
+    return 0
+
+
+def canvas_case(gen: torch.Generator) -> int:
+    """train/graph_step.py's canvas: a 37x29 view inside a 53x45 canvas, the size on the device."""
+    from bench.builds import build_all
+    from gstrain.render.cuda import ensure_built
+    from gstrain.render.isect import PairBudget, capped_intersection
+    from gstrain.render.sized_projection import project_sized
+    from gstrain.train.fused_ssim import fused_photometric_loss
+
+    n, (cw, ch), (vw, vh) = 301, (53, 45), (37, 29)
+    z = 2.0 + 3.0 * torch.rand(n, generator=gen)
+    means = torch.cat([(torch.rand(n, 2, generator=gen) - 0.5) * 2.0 * z[:, None], z[:, None]], 1).cuda()
+    quats = torch.randn(n, 4, generator=gen).cuda().requires_grad_(True)
+    scales = torch.exp(-3.0 + torch.rand(n, 3, generator=gen)).cuda().requires_grad_(True)
+    means.requires_grad_(True)
+    K = torch.tensor([[0.9 * vw, 0.0, vw / 2], [0.0, 0.9 * vw, vh / 2], [0.0, 0.0, 1.0]]).cuda()
+    valid = torch.tensor([vw, vh], dtype=torch.int32).cuda()
+    radii, m2d, depths, conics = project_sized(means, quats, scales, torch.eye(4).cuda(), K, valid)
+    opac = (0.05 + 0.9 * torch.rand(1, n, generator=gen)).cuda()
+    stats = torch.zeros(4, 3, dtype=torch.int64, device="cuda")
+    budget = PairBudget(1 << 12, torch.ones(1, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
+                        stats, slot=torch.tensor([2], dtype=torch.int32).cuda())  # fmt: skip
+    capped_intersection(ensure_built(), m2d.detach(), radii, depths, conics.detach(), opac, cw, ch, 16, budget, valid)
+    img = torch.rand(ch, cw, 3, generator=gen).cuda().requires_grad_(True)
+    loss, _ = fused_photometric_loss(img, torch.rand(ch, cw, 3, generator=gen).cuda(), 0.2, valid=valid)
+    loss.backward()
+    (m2d.sum() + conics.sum() + depths.sum()).backward()
+    grad2d, count = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    build_all(["step_ops"])["step_ops"].grad2d_stats(torch.randn(n, 2, generator=gen).cuda(), radii[0], 0.5, 0.5,
+                                                      grad2d, count, None, valid)  # fmt: skip
+    torch.cuda.synchronize()
+    grads = (means.grad, quats.grad, scales.grad, img.grad, grad2d)
+    if not all(torch.isfinite(g).all() for g in grads) or int(stats[2, 1]) == 0:
+        print("sanitize case: the canvas kernels gave non-finite values or no pairs")
+        return 1
+    print(f"sanitize case: canvas kernels done, {int(stats[2, 1])} pairs in the view")
     return 0
 
 

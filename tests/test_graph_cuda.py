@@ -141,17 +141,48 @@ def _same_model(a: Trainer, b: Trainer, tol: float) -> None:
             assert float((x - y).abs().max()) <= tol * float(y.abs().max().clamp_min(1.0)), k
 
 
-@pytest.mark.parametrize("overflow", [False, True])
-def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow):
+def _mixed_sizes(scene):
+    """The scene with its training views cropped (bottom and right: K stays) to four sizes."""
+    from dataclasses import replace
+
+    crops = [(64, 64), (57, 60), (64, 47), (41, 33)]
+    train = [replace(v, image=v.image[: crops[i % 4][0], : crops[i % 4][1]].contiguous())
+             for i, v in enumerate(scene.train)]  # fmt: skip
+    return replace(scene, train=train)
+
+
+def _eager_steps_project_as_the_canvas(monkeypatch) -> None:
+    """Eager steps with the device-sized projection in place of gsplat's. The two compute the
+    same function within float tolerance (test_sized_projection_cuda.py), but not bit for bit,
+    and Adam turns the rounding noise of a gradient that is zero in exact arithmetic (a quaternion
+    of an isotropic Gaussian: the initial ones) into steps of +-lr; so the canvas graph is checked
+    against eager steps that round as it does."""
+    import gsplat
+
+    from gstrain.render.sized_projection import project_sized
+
+    def sized(means, covars, quats, scales, viewmats, Ks, width, height, **_):
+        size = torch.tensor([width, height], dtype=torch.int32, device=means.device)
+        return (*project_sized(means, quats, scales, viewmats[0], Ks[0], size), None)
+
+    monkeypatch.setattr(gsplat, "fully_fused_projection", sized)
+
+
+@pytest.mark.parametrize(("overflow", "mixed"), [(False, False), (True, False), (False, True), (True, True)])
+def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow, mixed):
     """Thirty steps with refinements (10, 20) and an opacity reset (15) between graph replays and
     recaptures, against a run with graphs off, from the same start; with `overflow` the first
     replays' pair buffers are too small, so settle() must redo them, and every seventh step is
-    timed (eager, and a redo before it captures with the timer off). Both runs draw the same
-    random numbers (a split samples positions)."""
+    timed (eager, and a redo before it captures with the timer off); with `mixed` the views come in
+    four sizes and the graph steps run on the canvas (one graph per capacity class). Both runs
+    draw the same random numbers (a split samples positions)."""
     from gstrain.train import graph_step
     from gstrain.train.trainer import seed_everything
 
     scene = load_scene(demo_scene)
+    if mixed:
+        scene = _mixed_sizes(scene)
+        _eager_steps_project_as_the_canvas(monkeypatch)
     seed_everything(0)
     graphed = _trainer(scene, tmp_path, "g", graphs=True)
     seed_everything(0)
@@ -171,6 +202,7 @@ def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overfl
     g = graphed.graphs
     # epochs 1-9, 11-14, 16-19, 21-29: each captures on its first step
     assert g.captures >= 4 and g.views >= 20, g.summary()
+    assert (g.canvas is not None) == mixed and (g.canvas is None or g.canvas[:2] == (64, 64)), g.summary()
     assert sum(g.eager_steps.values()) + g.views == 30, g.summary()
     if overflow:
         assert g.redos >= 1 and g.eager_steps.get("timed") == 4, g.summary()

@@ -203,7 +203,7 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8
     size = tuple(t.train_images[0].shape)
     graphs.capacities[size] = 1 << 16
-    graphs.size_stats[size] = torch.tensor([0, 0, 3_000_000])  # the overflowed view's pairs, as the kernel keeps them
+    graphs.group_stats[size] = torch.tensor([0, 0, 3_000_000])  # the overflowed view's pairs, as the kernel keeps them
     graphs.budget.flag.fill_(5 + 1)  # step 5's tag: it overflowed, and (the flag is sticky) 6-8 were skipped
     assert graphs.settle() is None  # the fake replays return nothing
     # 5-8 again, in order, each with the trainer's step as it was then; then the count is back
@@ -211,7 +211,7 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8  # rewound by 4, advanced by 4
     assert graphs.views == 8 and graphs.redos == 1 and not graphs.unsettled
     assert int(graphs.budget.flag) == 0
-    assert graphs.capacities[size] >= 3_000_000 and graphs.size_peak[size] == 3_000_000
+    assert graphs.capacities[size] >= 3_000_000 and graphs.group_peak[size] == 3_000_000
     graphs.budget.flag.zero_()
     assert graphs.settle() is None and runs[-1] == (8, 8)  # nothing in flight: no redo
 
@@ -224,18 +224,65 @@ def test_each_image_size_gets_a_capacity_from_its_own_views():
 
     graphs = GraphSteps(_FakeTrainer())
     small, large, unseen = (700, 1200, 3), (720, 1280, 3), (710, 1250, 3)
-    graphs.size_peak[small] = 200_000  # from eager steps
-    graphs.size_stats[large] = torch.tensor([0, 0, 3_000_000])  # from replays, on the device
+    graphs.group_peak[small] = 200_000  # from eager steps
+    graphs.group_stats[large] = torch.tensor([0, 0, 3_000_000])  # from replays, on the device
     graphs._new_epoch(("key",))
-    assert graphs.size_peak[large] == 3_000_000
+    assert graphs.group_peak[large] == 3_000_000
     cap_small, cap_large = graphs._capacity(small), graphs._capacity(large)
     assert 200_000 < cap_small < 1_000_000 and cap_large > 3_000_000
     assert graphs._capacity(unseen) >= 3_000_000  # no count yet: the largest known
-    graphs.size_stats[small] = torch.tensor([0, 0, 150_000])  # fewer pairs now: the capacity stays
+    graphs.group_stats[small] = torch.tensor([0, 0, 150_000])  # fewer pairs now: the capacity stays
     graphs._new_epoch(("key2",))
     assert graphs._capacity(small) == cap_small
-    graphs.size_stats[small] = torch.tensor([0, 0, cap_small])  # grown past the headroom: regrown
+    graphs.group_stats[small] = torch.tensor([0, 0, cap_small])  # grown past the headroom: regrown
     graphs._new_epoch(("key3",))
     assert graphs._capacity(small) > cap_small
     summary = graphs.summary()["pair_capacity"]
-    assert summary["sizes"] == 3 and summary["max"] == max(graphs.capacities.values())
+    assert summary["groups"] == 3 and summary["max"] == max(graphs.capacities.values())
+
+
+def test_capacity_classes_hold_the_count_within_one_and_a_half_times():
+    from gstrain.train.graph_step import CAPACITY_ROUND, capacity_class
+
+    last = 0
+    for n in [1, CAPACITY_ROUND, CAPACITY_ROUND + 1, 700_001, 1_048_576, 1_048_577, 3_000_000, 4_700_000]:
+        c = capacity_class(n)
+        k = c.bit_length() - 1
+        assert c in (1 << k, 3 << (k - 1))  # 2^k or 1.5 * 2^k
+        assert c >= max(n, CAPACITY_ROUND) and c <= 1.5 * max(n, CAPACITY_ROUND)
+        assert c >= last  # monotone
+        last = c
+    assert len({capacity_class(n) for n in range(600_000, 4_800_000, 10_000)}) == 7  # two per doubling
+
+
+def test_views_of_several_sizes_share_a_canvas_and_graphs_by_capacity_class():
+    """With views of several sizes and the fused loss, pair statistics are per view (a row each,
+    picked on the device), a view's capacity is a capacity class, views of one class share one
+    graph key, and an overflow grows only the overflowed view's class."""
+    from gstrain.train.graph_step import GraphSteps
+
+    t = _FakeTrainer()
+    t.cfg = build_config(overrides=[{"train": {"fused_ssim": True}}])
+    t.train_images = [torch.zeros(h, w, 3, dtype=torch.uint8) for h, w in ((60, 80), (64, 70), (50, 90), (60, 80))]
+    graphs = GraphSteps(t)
+    assert graphs.canvas == (64, 90, 3)
+    assert graphs.view_stats.shape == (4, 3) and graphs._group(2) == 2
+    graphs.group_peak[0] = 500_000  # an eager step's count
+    graphs.view_stats[1] = torch.tensor([0, 0, 520_000])  # replays' rows
+    graphs.view_stats[2] = torch.tensor([0, 0, 2_000_000])
+    graphs._new_epoch(("key",))
+    assert graphs.group_peak == {0: 500_000, 1: 520_000, 2: 2_000_000}  # view 3: no count yet
+    caps = [graphs._capacity(i) for i in range(4)]
+    assert caps[0] == caps[1] >= 1.5 * 520_000  # one class: one graph for both views
+    assert caps[2] >= 3_000_000 and caps[3] == caps[2]  # no count: the largest known
+    assert graphs._graph_key(0) == graphs._graph_key(1) != graphs._graph_key(2)
+    # view 1 overflowed at step 5 with 1.2M pairs: its class grows, view 0's does not
+    monkey_runs = []
+    graphs._graph_step = lambda step, idx: monkey_runs.append((step, idx))  # type: ignore[method-assign]
+    graphs.unsettled = [(4, 0), (5, 1), (6, 0)]
+    graphs.view_stats[1, 2] = 1_200_000
+    graphs.budget.flag.fill_(6)
+    graphs.settle()
+    assert monkey_runs == [(5, 1), (6, 0)]
+    assert graphs._capacity(1) >= 1.5 * 1_200_000 and graphs._capacity(0) == caps[0]
+    assert graphs.summary()["canvas"] == [64, 90]

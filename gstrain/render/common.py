@@ -22,6 +22,10 @@ class RasterOptions:
     pairs whose alpha is provably < 1/255 on the whole tile before either rasterizer runs.
     pair_budget: a render/isect.PairBudget makes the culled intersection sync-free (fixed-capacity
     pair buffers, the count kept on the device), as a CUDA-graph step needs.
+    valid_size: with a pair budget, a [2] int32 device tensor (width, height): the view is that
+    top-left part of the width x height canvas the render is called with, and the projection
+    (render/sized_projection.py) and the intersection read its size on the device, so one CUDA
+    graph serves views of every size. Pixels outside it are rendered but belong to no view.
     """
 
     absgrad: bool = False
@@ -32,6 +36,7 @@ class RasterOptions:
     gsplat_raster: bool = False
     ellipse_cull: bool = False
     pair_budget: Any = None  # gstrain.render.isect.PairBudget
+    valid_size: Any = None  # torch.Tensor [2] int32 on the device
 
 
 DEFAULT_OPTIONS = RasterOptions()  # our kernels, arc, no absgrad
@@ -54,6 +59,7 @@ def strategy_info(means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor
         "n_cameras": 1,
         "gaussian_ids": None,  # not packed
         "tile_size": tile_size,
+        "valid_size": None,  # [2] int32 on the device when the render was on a canvas (RasterOptions)
     }
 
 

@@ -34,9 +34,10 @@ TILE_SIZE = 16
 MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bindings.cpp", "isect_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu", "raster_bwd_vec.cu",
-            "isect.cu")
-_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h", "isect_bindings.h", "torch_checks.h")
+_SOURCES = ("bindings.cpp", "isect_bindings.cpp", "project_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu",
+            "raster_bwd_vec.cu", "isect.cu", "project.cu")
+_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h", "isect_bindings.h", "project.h",
+            "project_bindings.h", "torch_checks.h")
 _SOURCE_PATHS = tuple(_CSRC / f for f in _SOURCES)
 _HEADER_PATHS = tuple(_CSRC / f for f in _HEADERS)
 
@@ -266,19 +267,28 @@ class Splats:
 def project_splats(
     params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
     ellipse_cull: bool = False, cull_kernel: bool = True, budget: PairBudget | None = None,
+    valid: Tensor | None = None,
 ) -> Splats:
     """gsplat's public projection and tile intersection for one camera; with ellipse_cull, the
-    pairs whose alpha is provably < 1/255 on their whole tile are dropped (intersect_splats)."""
-    from gsplat import fully_fused_projection
+    pairs whose alpha is provably < 1/255 on their whole tile are dropped (intersect_splats).
+    With a budget and `valid` (RasterOptions.valid_size), width x height is a canvas and the view
+    the valid part of it: the device-sized projection replaces gsplat's."""
+    if valid is not None and budget is not None and ellipse_cull:
+        from gstrain.render.sized_projection import project_sized
 
-    radii, means2d, depths, conics, _ = fully_fused_projection(
-        params["means"], None, params["quats"], torch.exp(params["scales"]),
-        viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
-    )  # fmt: skip
+        radii, means2d, depths, conics = project_sized(params["means"], params["quats"], torch.exp(params["scales"]),
+                                                       viewmat, K, valid)  # fmt: skip
+    else:
+        from gsplat import fully_fused_projection
+
+        radii, means2d, depths, conics, _ = fully_fused_projection(
+            params["means"], None, params["quats"], torch.exp(params["scales"]),
+            viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
+        )  # fmt: skip
     opacities = torch.sigmoid(params["opacities"])[None]
     if budget is not None and ellipse_cull:
         kept = capped_intersection(ensure_built(), means2d, radii, depths, conics, opacities, width, height,
-                                   TILE_SIZE, budget)  # fmt: skip
+                                   TILE_SIZE, budget, valid)  # fmt: skip
         return Splats(means2d, conics, depths, radii, opacities, kept.isect_offsets, kept.flatten_ids, width, height,
                       None, kept.n_isects)  # fmt: skip
     return intersect_splats(means2d, conics, opacities, radii, depths, width, height, ellipse_cull, cull_kernel)
@@ -378,7 +388,7 @@ def render_cuda(
     """
     with phase(timer, "projection"):
         splats = project_splats(params, viewmat, K, width, height, options.ellipse_cull,
-                                budget=options.pair_budget)  # fmt: skip
+                                budget=options.pair_budget, valid=options.valid_size)  # fmt: skip
         colors = splat_colors(params, viewmat, sh_degree, splats.radii)
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
@@ -387,6 +397,8 @@ def render_cuda(
         if span is not None:
             image = span.output(image)
     info = strategy_info(splats.means2d, splats.radii, splats.depths, splats.conics, width, height, TILE_SIZE)
+    if options.pair_budget is not None:
+        info["valid_size"] = options.valid_size
     # host ints (before, after the cull): reading them costs no sync; None with a pair budget (counted
     # on the device, PairBudget.pair_sum)
     info["isect_pairs"] = splats.pairs

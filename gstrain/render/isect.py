@@ -32,13 +32,15 @@ class PairBudget:
     tag [1] float32: the step's number + 1, written by the host before each step; flag [1] int32:
     0, or the tag of the first step whose pairs overflowed (sticky until the host clears it);
     pair_sum [3] int64: pairs before / after the cull summed over steps that fit, and the most
-    pairs one view kept (overflowed ones included).
+    pairs one view kept (overflowed ones included); with `slot` ([1] int32 on the device, refilled
+    per step), pair_sum is [S, 3] and each step counts into row slot (a graph shared by views).
     """
 
     capacity: int
     tag: Tensor
     flag: Tensor
     pair_sum: Tensor
+    slot: Tensor | None = None
 
     @classmethod
     def on(cls, device: torch.device, capacity: int, tag: Tensor | None = None) -> PairBudget:
@@ -67,11 +69,11 @@ class _Counted(NamedTuple):
 
 
 def _count(ext: ModuleType, means2d: Tensor, radii: Tensor, depths: Tensor, conics: Tensor, opacities: Tensor,
-           width: int, height: int, tile_size: int) -> _Counted:  # fmt: skip
+           width: int, height: int, tile_size: int, valid: Tensor | None = None) -> _Counted:  # fmt: skip
     means2d, radii = means2d.float().contiguous(), radii.int().contiguous()
     conics, opacities = conics.float().contiguous(), opacities.float().contiguous()
     size = (int(width), int(height), int(tile_size))
-    counts, totals = ext.isect_count(means2d, radii, conics, opacities, *size)
+    counts, totals = ext.isect_count(means2d, radii, conics, opacities, *size, valid)
     cum = torch.cumsum(counts, 0, dtype=torch.int64)
     return _Counted((means2d, radii, depths.float().contiguous(), conics, opacities), size, totals, cum)
 
@@ -116,10 +118,14 @@ def capped_intersection(
     height: int,
     tile_size: int,
     budget: PairBudget,
+    valid: Tensor | None = None,
 ) -> CappedPairs:
-    """culled_intersection's pairs with no host sync, into budget.capacity slots."""
-    c = _count(ext, means2d, radii, depths, conics, opacities, width, height, tile_size)
+    """culled_intersection's pairs with no host sync, into budget.capacity slots. With `valid`
+    ([2] int32 on the device: width, height), the image is that top-left part of a
+    width x height canvas: pairs are made, and culled, for its tiles only."""
+    c = _count(ext, means2d, radii, depths, conics, opacities, width, height, tile_size, valid)
     offsets, flatten_ids, n_isects = ext.isect_fill_capped(
-        *c.args, c.cum, c.totals, budget.capacity, budget.tag, budget.flag, budget.pair_sum, *c.size
+        *c.args, c.cum, c.totals, budget.capacity, budget.tag, budget.flag, budget.pair_sum, *c.size, valid,
+        budget.slot,
     )
     return CappedPairs(offsets, flatten_ids, n_isects)

@@ -59,20 +59,22 @@ class _FusedSsim(torch.autograd.Function):
 
 class _FusedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, img: Tensor, gt: Tensor, ssim_lambda: float) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx: Any, img: Tensor, gt: Tensor, ssim_lambda: float,
+                valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         save = bool(ctx.needs_input_grad[0])
-        loss, ssim_value, l1, partials = ensure_built().loss_fwd(img, gt, float(ssim_lambda), save)
+        loss, ssim_value, l1, partials = ensure_built().loss_fwd(img, gt, float(ssim_lambda), save, valid)
         if save:
             ctx.save_for_backward(img, gt, partials)
         ctx.ssim_lambda = float(ssim_lambda)
+        ctx.valid = valid
         ctx.mark_non_differentiable(ssim_value, l1)
         return loss, ssim_value, l1
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor, _g_ssim: Tensor, _g_l1: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor, _g_ssim: Tensor, _g_l1: Tensor) -> tuple[Tensor | None, None, None, None]:
         img, gt, partials = ctx.saved_tensors
-        return ensure_built().loss_bwd(img, gt, partials, grad, ctx.ssim_lambda), None, None
+        return ensure_built().loss_bwd(img, gt, partials, grad, ctx.ssim_lambda, ctx.valid), None, None, None
 
 
 def _fusable(img: Tensor, gt: Tensor) -> bool:
@@ -82,17 +84,23 @@ def _fusable(img: Tensor, gt: Tensor) -> bool:
     )  # fmt: skip
 
 
-def fused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+def fused_photometric_loss(img: Tensor, gt: Tensor, ssim_lambda: float = 0.2,
+                           valid: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """losses.photometric_loss in one forward and one backward kernel: L1 and SSIM fused.
 
     (1 - lambda) L1 + lambda (1 - SSIM) with the 3DGS SSIM; terms come back detached. Inputs
-    the kernels do not take (CPU, another dtype) go to the unfused loss.
+    the kernels do not take (CPU, another dtype) go to the unfused loss. With `valid` ([2] int32
+    on the device: width, height) the images are canvases and the loss is the one of their
+    top-left valid parts (a CUDA-graph step shared by views of every size); CUDA only.
     """
-    if img.shape != gt.shape or img.dim() not in (3, 4) or not _fusable(img, gt):
+    if valid is not None:
+        if not (img.shape == gt.shape and img.dim() in (3, 4) and _fusable(img, gt)):
+            raise ValueError("a loss on a canvas (valid=...) needs float32 CUDA images of one shape")
+    elif img.shape != gt.shape or img.dim() not in (3, 4) or not _fusable(img, gt):
         return photometric_loss(img, gt, ssim_lambda)
     if img.dim() == 3:
         img, gt = img.unsqueeze(0), gt.unsqueeze(0)
-    loss, ssim_value, l1 = _FusedLoss.apply(img.contiguous(), gt.detach().contiguous(), float(ssim_lambda))
+    loss, ssim_value, l1 = _FusedLoss.apply(img.contiguous(), gt.detach().contiguous(), float(ssim_lambda), valid)
     return loss, {"l1": l1, "ssim": ssim_value, "loss": loss.detach()}
 
 

@@ -8,13 +8,17 @@ What a graph freezes, and how each is handled:
 - shapes and addresses: the intersection is sync-free into fixed-capacity buffers
   (render/isect.PairBudget); parameters, Adam moments and statistics keep their storage between
   densifications. An epoch lasts while those addresses, the SH degree and ARC's threshold stay
-  the same; its graphs are kept per image size (gsplat's projection bakes the size in) and
-  dropped when it ends. Each size has its own pair capacity, from the most pairs its views have
-  had (the sort covers the whole capacity, so one capacity for all sizes, set by the closest
-  view, made every view pay for it);
+  the same, and its graphs are dropped when it ends. The image size: gsplat's projection bakes it
+  in, so with one graph per size a scene whose views differ in size (beer: 35 sizes for 62 views)
+  captures one graph per size per epoch, and captures bound the run while it refines. With the
+  fused loss the step runs instead on a canvas of the largest size, the view in its top-left
+  corner and its size on the device (render/sized_projection.py, the intersection and the loss
+  read it), so one graph serves every size. Pair capacity: the sort covers a graph's whole
+  capacity, so each view (per-size graphs: each size) has its own, from the most pairs it has had,
+  and on the canvas views share a graph per capacity class (capacity_class);
 - per-step values: Adam's step sizes and bias corrections come from a device tensor refilled
-  before each replay (fused_adam.advance); the view's camera and image are copied into the
-  graph's inputs;
+  before each replay (fused_adam.advance); the view's camera, image (and on the canvas its size
+  and statistics row) are copied into the graph's inputs;
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
   (log.time_every), ARC's tuning calls, masked views, the first step, and an image size's first
   CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an eager step does,
@@ -28,6 +32,7 @@ tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,16 +48,36 @@ CAPACITY_HEADROOM = 1.1  # ... and grow once that many times the most pairs woul
 CAPACITY_ROUND = 1 << 16
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
-CAPTURE_AFTER = 0  # eager steps of an image size in an epoch before it is captured
+CAPTURE_AFTER = 0  # eager steps of a graph's key in an epoch before it is captured
 
 
 def _round_up(n: int) -> int:
     return max(CAPACITY_ROUND, -(-int(n) // CAPACITY_ROUND) * CAPACITY_ROUND)
 
 
+def capacity_class(n: int) -> int:
+    """The canvas graphs' capacities: the smallest of 2^k and 1.5 * 2^k that holds n (at least
+    CAPACITY_ROUND). A view sorts at most 1.5x the pairs its own capacity would, and an epoch
+    captures a graph per class its views fall in (a handful) instead of one per image size."""
+    n = max(int(n), CAPACITY_ROUND)
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= n else power
+
+
+def canvas_of(trainer: Any) -> tuple[int, ...] | None:
+    """The canvas shape (the largest height, width) when the steps run on one: views of several
+    sizes and the fused loss (the only one that takes a valid size); else None (a graph per size)."""
+    shapes = {tuple(i.shape) for i in trainer.train_images}
+    cfg = getattr(trainer, "cfg", None)
+    if len(shapes) < 2 or cfg is None or not cfg.train.fused_ssim:
+        return None
+    return (max(s[0] for s in shapes), max(s[1] for s in shapes), *next(iter(shapes))[2:])
+
+
 @dataclass
 class _Graph:
-    """One image size's captured step: the graph and its static outputs."""
+    """One captured step (an image size's, or a capacity class's on the canvas): the graph and its
+    static outputs."""
 
     graph: torch.cuda.CUDAGraph
     outputs: StepResult
@@ -63,10 +88,11 @@ class GraphSteps:
     """Runs a Trainer's single-view steps, replaying a captured graph where it may (see the
     module docstring). `trainer` is the gstrain.train.trainer.Trainer that owns the run.
 
-    A graph is per image size (a scene whose views were undistorted camera by camera has many):
-    the graphs of one epoch (the stretch between two changes of the key without the size) share
-    one memory pool, which is safe because every replay's outputs are read before the next.
-    A size is captured once it has come up CAPTURE_AFTER times in the epoch."""
+    A graph is per image size, or on the canvas per capacity class (see the module docstring);
+    the graphs of one epoch (the stretch between two changes of _epoch_key) share one memory
+    pool, which is safe because every replay's outputs are read before the next. A graph's key
+    is captured once it has come up CAPTURE_AFTER times in the epoch. Pair statistics and
+    capacities are kept per group: an image size, or on the canvas a view (its index)."""
 
     def __init__(self, trainer: Any) -> None:
         self.t = trainer
@@ -74,21 +100,30 @@ class GraphSteps:
         n_scalars = 2 * len(trainer.optimizers) + 1  # Adam's pairs, then the step's tag
         self.scalars = torch.zeros(n_scalars, device=self.device)
         self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])  # the shared tag and flag
-        # per image size: pair statistics on the device (PairBudget.pair_sum), the most pairs a
-        # view has had as the host knows it, and the capacity graphs are captured with
-        self.size_stats: dict[tuple, Tensor] = {}
-        self.size_peak: dict[tuple, int] = {}
-        self.capacities: dict[tuple, int] = {}
+        self.canvas = canvas_of(trainer)
+        # per group (an image size; on the canvas a view): pair statistics on the device
+        # (PairBudget.pair_sum; on the canvas rows of one [views, 3] tensor, the row chosen on the
+        # device), the most pairs it has had as the host knows it, and its pair capacity
+        self.group_stats: dict[Any, Tensor] = {}
+        self.group_peak: dict[Any, int] = {}
+        self.capacities: dict[Any, int] = {}
+        self.view_stats: Tensor | None = None
         on_gpu = self.device.type == "cuda"  # (the policy and the bookkeeping also run on the CPU, in tests)
+        if self.canvas is not None:
+            self.view_stats = torch.zeros((len(trainer.train_images), 3), dtype=torch.int64, device=self.device)
+            self.group_stats = dict(enumerate(self.view_stats))
+        # on the canvas: the view's width, height and index, refilled before each replay
+        self.view_ints = torch.zeros(3, dtype=torch.int32, device=self.device)
+        self.pinned_ints = torch.zeros((INFLIGHT, 3), dtype=torch.int32, pin_memory=on_gpu)
         self.pinned = torch.zeros((INFLIGHT, n_scalars), pin_memory=on_gpu)
         self.slot_done: list[torch.cuda.Event | None] = [None] * INFLIGHT
         self.slot = 0
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.epoch: tuple | None = None
-        self.graphs: dict[tuple, _Graph] = {}  # this epoch's, by image shape
-        self.seen: dict[tuple, int] = {}  # graph-safe steps per image shape in this epoch
+        self.graphs: dict[Any, _Graph] = {}  # this epoch's, by image shape (on the canvas: capacity)
+        self.seen: dict[Any, int] = {}  # graph-safe steps per graph key in this epoch
         self.pool: Any = None
-        self.inputs: dict[tuple, dict[str, Tensor]] = {}  # per image shape: camera and image buffers
+        self.inputs: dict[tuple, dict[str, Tensor]] = {}  # per image shape (or the canvas's): the graph's inputs
         self.image_buffer: Tensor | None = None
         self.camera: dict[str, Tensor] = {}
         self.unsettled: list[tuple[int, int]] = []  # (step, view) replayed since the last settle
@@ -124,34 +159,50 @@ class GraphSteps:
         if self.graphs and self.stream is not None:
             torch.cuda.current_stream().synchronize()  # no replay of a dropped graph is still running
         self.graphs, self.pool, self.epoch, self.seen = {}, None, key, {}
-        if self.size_stats:  # the replays' largest views: capacities follow the growing model
-            sizes = list(self.size_stats)
-            for size, most in zip(sizes, torch.stack([self.size_stats[s][2] for s in sizes]).tolist(), strict=True):
-                self.size_peak[size] = max(self.size_peak.get(size, 0), int(most))
+        if self.group_stats:  # the replays' largest views: capacities follow the growing model
+            groups = list(self.group_stats)
+            most = torch.stack([self.group_stats[g][2] for g in groups]).tolist()
+            for group, m in zip(groups, most, strict=True):
+                if m > 0:  # (a canvas view not replayed yet has no count)
+                    self.group_peak[group] = max(self.group_peak.get(group, 0), int(m))
 
-    def _capacity(self, size: tuple) -> int:
-        """The pair capacity for `size`: CAPACITY_MARGIN times its most pairs, regrown once that
-        many times CAPACITY_HEADROOM no longer fits (a size never seen takes the largest)."""
-        peak = self.size_peak.get(size)
-        if peak is None:  # only until the size has a count of its own
-            peak = max(self.size_peak.values(), default=0)
-        capacity = self.capacities.get(size, 0)
-        if peak * CAPACITY_HEADROOM > capacity:
-            capacity = self.capacities[size] = max(capacity, _round_up(peak * CAPACITY_MARGIN))
+    def _group(self, idx: int) -> Any:
+        """The key pair statistics and capacities are kept under: view idx's image size, or on the
+        canvas the view itself."""
+        return idx if self.canvas is not None else tuple(self.t.train_images[idx].shape)
+
+    def _fit(self, pairs: float) -> int:
+        """A capacity for `pairs`: rounded up, on the canvas to its capacity class."""
+        return capacity_class(_round_up(pairs)) if self.canvas is not None else _round_up(pairs)
+
+    def _capacity(self, group: Any) -> int:
+        """The pair capacity for `group`: CAPACITY_MARGIN times its most pairs, regrown once that
+        many times CAPACITY_HEADROOM no longer fits (a group never seen takes the largest)."""
+        peak = self.group_peak.get(group)
+        if peak is None:  # only until the group has a count of its own
+            peak = max(self.group_peak.values(), default=0)
+        capacity = self.capacities.get(group, 0)
+        if capacity == 0 or peak * CAPACITY_HEADROOM > capacity:
+            capacity = self.capacities[group] = max(capacity, self._fit(peak * CAPACITY_MARGIN))
         return capacity
+
+    def _graph_key(self, group: Any) -> Any:
+        """Which of the epoch's graphs runs the group's views: its size's, or its capacity's."""
+        return self._capacity(group) if self.canvas is not None else group
 
     # ----------------------------------------------------------------- steps
     def run(self, step: int, idx: int) -> StepResult:
         """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
         reason = self.eager_reason(step, idx)
-        size = tuple(self.t.train_images[idx].shape)
+        group = self._group(idx)
         if reason is None:
             key = self._epoch_key(step)
             if key != self.epoch:
                 self.settle()  # a redo runs with the graphs its steps were captured for
                 self._new_epoch(key)
-            self.seen[size] = self.seen.get(size, 0) + 1
-            if size in self.graphs or self.seen[size] > CAPTURE_AFTER:
+            graph_key = self._graph_key(group)
+            self.seen[graph_key] = self.seen.get(graph_key, 0) + 1
+            if graph_key in self.graphs or self.seen[graph_key] > CAPTURE_AFTER:
                 return self._graph_step(step, idx)
             reason = "size_not_captured"
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
@@ -167,7 +218,7 @@ class GraphSteps:
             current.wait_stream(self.stream)
         self.warm = True
         if result.pairs is not None:
-            self.size_peak[size] = max(self.size_peak.get(size, 0), result.pairs[1])
+            self.group_peak[group] = max(self.group_peak.get(group, 0), result.pairs[1])
         return result
 
     def _eager(self, step: int, idx: int) -> StepResult:
@@ -178,22 +229,32 @@ class GraphSteps:
                             scheduler=t.scheduler, mask=t.train_masks[idx])  # fmt: skip
 
     def _graph_step(self, step: int, idx: int) -> StepResult:
-        size = tuple(self.t.train_images[idx].shape)
+        group = self._group(idx)
         inputs = self._load(step, idx)
-        capacity = self._capacity(size)
-        entry = self.graphs.get(size)
+        capacity = self._capacity(group)
+        graph_key = self._graph_key(group)
+        entry = self.graphs.get(graph_key)
         if entry is None or entry.capacity != capacity:
-            stats = self.size_stats.get(size)
-            if stats is None:
-                stats = self.size_stats[size] = torch.zeros(3, dtype=torch.int64, device=self.device)
-            budget = PairBudget(capacity, self.budget.tag, self.budget.flag, stats)
-            entry = self.graphs[size] = self._capture(step, inputs, budget)
+            entry = self.graphs[graph_key] = self._capture(step, inputs, self._budget(group, capacity))
         entry.graph.replay()
         self._release_slot()
         self.unsettled.append((step, idx))
         if len(self.unsettled) >= MAX_UNSETTLED:
             self.settle()
-        return entry.outputs
+        if self.canvas is None:
+            return entry.outputs
+        height, width = self.t.train_images[idx].shape[:2]  # the view's part of the canvas
+        return replace(entry.outputs, image=entry.outputs.image[:height, :width])
+
+    def _budget(self, group: Any, capacity: int) -> PairBudget:
+        """A graph's pair budget: the shared tag and flag, and its group's statistics (on the
+        canvas every view's rows, the row picked by the view's index on the device)."""
+        if self.view_stats is not None:
+            return PairBudget(capacity, self.budget.tag, self.budget.flag, self.view_stats, slot=self.view_ints[2:])
+        stats = self.group_stats.get(group)
+        if stats is None:
+            stats = self.group_stats[group] = torch.zeros(3, dtype=torch.int64, device=self.device)
+        return PairBudget(capacity, self.budget.tag, self.budget.flag, stats)
 
     def _load(self, step: int, idx: int) -> dict[str, Tensor]:
         """This step's values into the graph's inputs: Adam's scalars (counted on the host here,
@@ -210,16 +271,26 @@ class GraphSteps:
         viewmat, K = t.train_cams[idx]
         image = t.train_images[idx]
         if self.image_buffer is None:  # every size's image input is a view of one buffer
-            largest = max(i.numel() for i in t.train_images)
-            self.image_buffer = torch.empty(largest, dtype=image.dtype, device=image.device)
+            largest = max(i.numel() for i in t.train_images) if self.canvas is None else math.prod(self.canvas)
+            self.image_buffer = torch.zeros(largest, dtype=image.dtype, device=image.device)
             self.camera = {"viewmat": viewmat.clone(), "K": K.clone()}
-        inputs = self.inputs.get(tuple(image.shape))
+        shape = self.canvas if self.canvas is not None else tuple(image.shape)
+        inputs = self.inputs.get(shape)
         if inputs is None:
-            view = self.image_buffer[: image.numel()].view(image.shape)
-            inputs = self.inputs[tuple(image.shape)] = {**self.camera, "image": view}
+            view = self.image_buffer[: math.prod(shape)].view(shape)
+            inputs = self.inputs[shape] = {**self.camera, "image": view}
+            if self.canvas is not None:
+                inputs["valid"] = self.view_ints[:2]
         self.camera["viewmat"].copy_(viewmat)
         self.camera["K"].copy_(K)
-        inputs["image"].copy_(image)
+        if self.canvas is not None:  # the view in the top-left corner; the rest is outside its size
+            height, width = image.shape[:2]
+            inputs["image"][:height, :width].copy_(image)
+            ints = self.pinned_ints[self.slot]
+            ints[0], ints[1], ints[2] = width, height, idx
+            self.view_ints.copy_(ints, non_blocking=True)
+        else:
+            inputs["image"].copy_(image)
         return inputs
 
     def _release_slot(self) -> None:
@@ -237,7 +308,7 @@ class GraphSteps:
             self.pool = torch.cuda.graph_pool_handle()
         renderer, runner = t.renderer, t.runner
         options = renderer.options
-        renderer.options = replace(options, pair_budget=budget)
+        renderer.options = replace(options, pair_budget=budget, valid_size=inputs.get("valid"))
         runner.graph_adam = (self.scalars, self.budget.flag)
         t.strategy.set_skip_flag(self.budget.flag)
         graph = torch.cuda.CUDAGraph()
@@ -249,7 +320,8 @@ class GraphSteps:
                 try:
                     gt = inputs["image"].float() / 255.0
                     result = runner.run(t.params, t.optimizers, step, inputs["viewmat"], inputs["K"], gt,
-                                        t.active_sh_degree(), t.background, scheduler=None, mask=None)  # fmt: skip
+                                        t.active_sh_degree(), t.background, scheduler=None, mask=None,
+                                        valid=inputs.get("valid"))  # fmt: skip
                 finally:
                     graph.capture_end()
         finally:
@@ -279,12 +351,12 @@ class GraphSteps:
         fused_adam.rewind(t.optimizers, len(redo))
         t.scheduler.rewind(len(redo))
         self.budget.flag.zero_()
-        # the overflowed view's size: its most pairs (the overflowed view included) set its new capacity
-        size = tuple(t.train_images[redo[0][1]].shape)
-        most = int(self.size_stats[size][2])
-        self.size_peak[size] = max(self.size_peak.get(size, 0), most)
-        grown = _round_up(most * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
-        self.capacities[size] = max(grown, self.capacities.get(size, 0) + CAPACITY_ROUND)
+        # the overflowed view's group: its most pairs (the overflowed view included) set its new capacity
+        group = self._group(redo[0][1])
+        most = int(self.group_stats[group][2])
+        self.group_peak[group] = max(self.group_peak.get(group, 0), most)
+        grown = self._fit(most * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
+        self.capacities[group] = max(grown, self._fit(self.capacities.get(group, 0) + CAPACITY_ROUND))
         self.redos += 1
         result, now = None, t.step
         try:
@@ -299,17 +371,18 @@ class GraphSteps:
     def pair_totals(self) -> tuple[int, int, int]:
         """(pairs before the cull, after it, views) over the settled graph steps."""
         self.settle()
-        if not self.size_stats:
+        if not self.group_stats:
             return 0, 0, self.views
-        before, after, _ = (int(v) for v in torch.stack(list(self.size_stats.values())).sum(0).tolist())
+        before, after, _ = (int(v) for v in torch.stack(list(self.group_stats.values())).sum(0).tolist())
         return before, after, self.views
 
     def summary(self) -> dict[str, Any]:
         """For the run record: how the steps ran."""
         capacities = sorted(self.capacities.values())
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
-                "pair_capacity": {"sizes": len(capacities), "max": capacities[-1] if capacities else 0,
+                "pair_capacity": {"groups": len(capacities), "max": capacities[-1] if capacities else 0,
                                   "median": capacities[len(capacities) // 2] if capacities else 0},
+                "canvas": list(self.canvas[:2]) if self.canvas is not None else None,
                 "eager_steps": dict(self.eager_steps)}  # fmt: skip
 
 

@@ -105,16 +105,23 @@ class StepRunner:
         background: Tensor | None,
         scheduler: Any = None,
         mask: ViewMask | None = None,
+        valid: Tensor | None = None,
     ) -> StepResult:
+        """One step on one view. `valid` ([2] int32 on the device): gt is a canvas whose top-left
+        valid part is the view, as the renderer's RasterOptions.valid_size (train/graph_step.py)."""
         timer = self.timer
         height, width = gt.shape[:2]
         with timer.phase("forward"):
             image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
         self.strategy.step_pre_backward(params, optimizers, step, info)
         with timer.phase("loss"):
-            # masks: the view's mask (None: every pixel) under data.mask_mode (train/masking.py)
-            loss, terms = masked_loss(self.loss_fn, image, gt, self.cfg.train.ssim_lambda, mask,
-                                      self.cfg.data.mask_mode, background)
+            if valid is not None:
+                from gstrain.train.fused_ssim import fused_photometric_loss
+
+                loss, terms = fused_photometric_loss(image, gt, self.cfg.train.ssim_lambda, valid=valid)
+            else:  # masks: the view's mask (None: every pixel) under data.mask_mode (train/masking.py)
+                loss, terms = masked_loss(self.loss_fn, image, gt, self.cfg.train.ssim_lambda, mask,
+                                          self.cfg.data.mask_mode, background)  # fmt: skip
             reg = self.strategy.loss_term(params)
             if reg is not None:
                 loss = loss + reg

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "isect_bindings.h"
+#include "project_bindings.h"
 #include "raster.h"
 #include "torch_checks.h"
 
@@ -304,5 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("isect_count", &gstrain::isect_count, "culled tile intersection: tiles kept per Gaussian");
     m.def("isect_fill", &gstrain::isect_fill, "culled tile intersection: sorted pairs");
     m.def("isect_fill_capped", &gstrain::isect_fill_capped, "culled tile intersection into a fixed capacity");
+    m.def("project_fwd", &gstrain::project_fwd, "EWA projection, image size read on the device");
+    m.def("project_bwd", &gstrain::project_bwd, "EWA projection backward, image size read on the device");
     m.attr("THRESHOLD_NEVER") = gstrain::kThresholdNever;
 }

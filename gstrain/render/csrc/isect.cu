@@ -101,15 +101,28 @@ __device__ bool load_gaussian(const IsectArgs &a, int64_t i, Rect &r, Ellipse &e
     e.my = a.means2d[2 * i + 1];
     const float tx = __fdiv_rn(e.mx, ts), ty = __fdiv_rn(e.my, ts);
     const float trx = __fdiv_rn((float)rx, ts), tr_y = __fdiv_rn((float)ry, ts);
-    r.x0 = tile_bound(floorf(__fsub_rn(tx, trx)), (unsigned)a.tiles_x);
-    r.x1 = tile_bound(ceilf(__fadd_rn(tx, trx)), (unsigned)a.tiles_x);
-    r.y0 = tile_bound(floorf(__fsub_rn(ty, tr_y)), (unsigned)a.tiles_y);
-    r.y1 = tile_bound(ceilf(__fadd_rn(ty, tr_y)), (unsigned)a.tiles_y);
+    r.x0 = tile_bound(floorf(__fsub_rn(tx, trx)), (unsigned)a.bound_x);
+    r.x1 = tile_bound(ceilf(__fadd_rn(tx, trx)), (unsigned)a.bound_x);
+    r.y0 = tile_bound(floorf(__fsub_rn(ty, tr_y)), (unsigned)a.bound_y);
+    r.y1 = tile_bound(ceilf(__fadd_rn(ty, tr_y)), (unsigned)a.bound_y);
     e.a = a.conics[3 * i];
     e.b = a.conics[3 * i + 1];
     e.c = a.conics[3 * i + 2];
     e.thr = sigma_threshold(e.a, e.b, e.c, a.opacities[i]);
     return true;
+}
+
+// The arguments as the kernels use them: with a valid size on the device, the image is that part
+// of the canvas, so the cull clips to it and no pair reaches a tile outside it (the keys keep the
+// canvas's tile grid).
+__device__ __forceinline__ IsectArgs within_valid(IsectArgs a) {
+    if (a.valid != nullptr) {
+        a.width = a.valid[0];
+        a.height = a.valid[1];
+        a.bound_x = min(a.tiles_x, (a.width + a.tile_size - 1) / a.tile_size);
+        a.bound_y = min(a.tiles_y, (a.height + a.tile_size - 1) / a.tile_size);
+    }
+    return a;
 }
 
 __device__ __forceinline__ int64_t rect_tiles(const Rect &r) {
@@ -144,7 +157,8 @@ __device__ __forceinline__ void broadcast(const Rect &r, const Ellipse &e, int s
 }
 
 __global__ void __launch_bounds__(kIsectThreads)
-    isect_count_kernel(const IsectArgs a, int *__restrict__ counts, unsigned long long *__restrict__ totals) {
+    isect_count_kernel(const IsectArgs args, int *__restrict__ counts, unsigned long long *__restrict__ totals) {
+    const IsectArgs a = within_valid(args);
     const int64_t n = (int64_t)a.n_cams * a.n_gauss;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = (int)(threadIdx.x & 31);
@@ -196,7 +210,7 @@ __global__ void __launch_bounds__(kIsectThreads)
 }
 
 __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
-    const IsectArgs a,
+    const IsectArgs args,
     const float *__restrict__ depths,
     const int64_t *__restrict__ cum,
     int tile_bits,
@@ -204,6 +218,7 @@ __global__ void __launch_bounds__(kIsectThreads) isect_fill_kernel(
     int64_t *__restrict__ keys,
     int *__restrict__ ids
 ) {
+    const IsectArgs a = within_valid(args);
     const int64_t n = (int64_t)a.n_cams * a.n_gauss;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = (int)(threadIdx.x & 31);
@@ -278,6 +293,7 @@ __global__ void __launch_bounds__(kIsectThreads) isect_pad_kernel(
     const float *__restrict__ tag,
     int *__restrict__ flag,
     long long *__restrict__ pair_sum,
+    const int *__restrict__ slot,
     int64_t *__restrict__ keys,
     int *__restrict__ ids,
     int *__restrict__ n_isects
@@ -285,6 +301,7 @@ __global__ void __launch_bounds__(kIsectThreads) isect_pad_kernel(
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t kept = (int64_t)totals[1];
     if (j == 0) {
+        if (slot != nullptr) pair_sum += 3 * (int64_t)slot[0];
         const bool over = kept > capacity;
         if (over && *flag == 0) *flag = (int)tag[0];
         if (*flag == 0) {
@@ -344,7 +361,7 @@ cudaError_t launch_isect_fill(
 
 cudaError_t launch_isect_pad(const IsectPad &p, int64_t *keys, int *ids, cudaStream_t stream) {
     isect_pad_kernel<<<blocks_for(p.capacity), kIsectThreads, 0, stream>>>(
-        p.totals, p.capacity, p.pad_key, p.tag, p.flag, p.pair_sum, keys, ids, p.n_isects
+        p.totals, p.capacity, p.pad_key, p.tag, p.flag, p.pair_sum, p.slot, keys, ids, p.n_isects
     );
     return cudaGetLastError();
 }

@@ -15,8 +15,13 @@ struct IsectArgs {
     int width;
     int height;
     int tile_size;
-    int tiles_x;
+    int tiles_x;          // the tile grid (the keys' tile field)
     int tiles_y;
+    int bound_x;          // tiles a rectangle is clipped to: tiles_x / tiles_y, or the valid size's
+    int bound_y;
+    const int *valid;     // nullptr, or [2] on the device: the image's width and height inside a larger
+                          // canvas (a CUDA-graph step shared by every image size); replaces width,
+                          // height and the bounds when the kernels run
     const float *means2d;   // [C*N, 2]
     const int *radii;       // [C*N, 2] (<= 0 on either axis: no tiles)
     const float *conics;    // [C*N, 3]
@@ -50,6 +55,7 @@ struct IsectPad {
     const float *tag;                 // this step's tag (> 0), written to flag on overflow
     int *flag;                        // sticky: 0, or the tag of the first overflowed step
     long long *pair_sum;              // [3]: [0..1] += totals while flag is 0; [2] = max kept
+    const int *slot;                  // nullptr, or [1] on the device: use pair_sum + 3 * slot
     int *n_isects;                    // [1] out: pairs in the buffer (min(kept, capacity))
 };
 

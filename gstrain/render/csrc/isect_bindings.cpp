@@ -48,6 +48,8 @@ IsectArgs make_isect_args(
     a.tile_size = (int)tile_size;
     a.tiles_x = (int)((width + tile_size - 1) / tile_size);
     a.tiles_y = (int)((height + tile_size - 1) / tile_size);
+    a.bound_x = a.tiles_x;
+    a.bound_y = a.tiles_y;
     // gsplat's key: camera | tile | 32 depth bits, the first two in 32 bits together
     TORCH_CHECK(bit_width(C) + bit_width((int64_t)a.tiles_x * a.tiles_y) <= 32, "too many cameras and tiles");
     a.means2d = means2d.data_ptr<float>();
@@ -55,6 +57,14 @@ IsectArgs make_isect_args(
     a.conics = conics.data_ptr<float>();
     a.opacities = opacities.data_ptr<float>();
     return a;
+}
+
+// An optional [2] int32 device tensor: the valid width and height inside the canvas.
+const int *valid_size(const std::optional<at::Tensor> &valid) {
+    if (!valid.has_value() || !valid->defined()) return nullptr;
+    check_tensor(*valid, "valid", at::kInt);
+    TORCH_CHECK(valid->numel() == 2, "valid must be [width, height]");
+    return valid->data_ptr<int>();
 }
 
 } // namespace
@@ -68,10 +78,12 @@ std::vector<at::Tensor> isect_count(
     const at::Tensor &opacities,
     int64_t width,
     int64_t height,
-    int64_t tile_size
+    int64_t tile_size,
+    const std::optional<at::Tensor> &valid
 ) {
     const c10::cuda::CUDAGuard guard(means2d.device());
-    const IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
+    IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
+    a.valid = valid_size(valid);
     at::Tensor counts = at::empty({(int64_t)a.n_cams * a.n_gauss}, means2d.options().dtype(at::kInt));
     at::Tensor totals = at::zeros({2}, means2d.options().dtype(at::kLong));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -184,16 +196,23 @@ std::vector<at::Tensor> isect_fill_capped(
     const at::Tensor &pair_sum,
     int64_t width,
     int64_t height,
-    int64_t tile_size
+    int64_t tile_size,
+    const std::optional<at::Tensor> &valid,
+    const std::optional<at::Tensor> &slot
 ) {
     const c10::cuda::CUDAGuard guard(means2d.device());
-    const IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
+    IsectArgs a = make_isect_args(means2d, radii, conics, opacities, width, height, tile_size);
+    a.valid = valid_size(valid);
     check_tensor(totals, "totals", at::kLong);
     check_tensor(tag, "tag", at::kFloat);
     check_tensor(flag, "flag", at::kInt);
     check_tensor(pair_sum, "pair_sum", at::kLong);
-    TORCH_CHECK(totals.numel() == 2 && pair_sum.numel() == 3 && tag.numel() >= 1 && flag.numel() == 1,
+    const bool slotted = slot.has_value() && slot->defined();
+    // with a slot, pair_sum holds a row of three per slot (the caller keeps slot in range)
+    TORCH_CHECK(totals.numel() == 2 && pair_sum.numel() % 3 == 0 && pair_sum.numel() >= 3 && tag.numel() >= 1 &&
+                    flag.numel() == 1 && (slotted || pair_sum.numel() == 3),
                 "isect_fill_capped: bad bookkeeping tensors");
+    if (slotted) check_tensor(*slot, "slot", at::kInt);
     TORCH_CHECK(capacity > 0, "pair capacity must be positive, got ", capacity);
     const auto opts = means2d.options();
     at::Tensor n_isects = at::empty({1}, opts.dtype(at::kInt));
@@ -208,6 +227,7 @@ std::vector<at::Tensor> isect_fill_capped(
     pad.tag = tag.data_ptr<float>();
     pad.flag = flag.data_ptr<int>();
     pad.pair_sum = reinterpret_cast<long long *>(pair_sum.data_ptr<int64_t>());
+    pad.slot = slotted ? slot->data_ptr<int>() : nullptr;
     pad.n_isects = n_isects.data_ptr<int>();
     check_cuda(launch_isect_pad(pad, keys.data_ptr<int64_t>(), ids.data_ptr<int>(), stream), "intersection pad");
     auto sorted = sort_pairs(keys, ids, capacity, end_bit, stream);

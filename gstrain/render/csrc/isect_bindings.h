@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 namespace gstrain {
@@ -15,7 +16,8 @@ std::vector<at::Tensor> isect_count(
     const at::Tensor &opacities,
     int64_t width,
     int64_t height,
-    int64_t tile_size
+    int64_t tile_size,
+    const std::optional<at::Tensor> &valid
 );
 
 std::vector<at::Tensor> isect_fill(
@@ -45,7 +47,9 @@ std::vector<at::Tensor> isect_fill_capped(
     const at::Tensor &pair_sum,
     int64_t width,
     int64_t height,
-    int64_t tile_size
+    int64_t tile_size,
+    const std::optional<at::Tensor> &valid,
+    const std::optional<at::Tensor> &slot
 );
 
 } // namespace gstrain

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "fused_ssim.h"
 
@@ -44,7 +45,16 @@ SsimDims dims_of(const at::Tensor &img, const at::Tensor &gt) {
     constexpr int64_t kMax = std::numeric_limits<int>::max();
     TORCH_CHECK(img.size(0) <= 65535, "fused SSIM: batch too large (grid z)");
     TORCH_CHECK(img.size(1) <= kMax && img.size(2) <= kMax && img.size(3) <= kMax, "fused SSIM: image too large");
-    return SsimDims{(int)img.size(0), (int)img.size(1), (int)img.size(2), (int)img.size(3)};
+    return SsimDims{(int)img.size(0), (int)img.size(1), (int)img.size(2), (int)img.size(3), nullptr};
+}
+
+// An optional [2] int32 device tensor: the valid width and height of each image inside its canvas.
+const int *valid_size(const std::optional<at::Tensor> &valid, const at::Tensor &img) {
+    if (!valid.has_value() || !valid->defined()) return nullptr;
+    TORCH_CHECK(valid->is_cuda() && valid->device() == img.device() && valid->scalar_type() == at::kInt &&
+                    valid->is_contiguous() && valid->numel() == 2,
+                "valid must be [width, height], int32 on the images' device");
+    return valid->data_ptr<int>();
 }
 
 void check_cuda(cudaError_t err, const char *what) {
@@ -58,9 +68,10 @@ namespace {
 // The forward of ssim_fwd / loss_fwd: `ssim` gets SSIM (and with_l1: `l1` and `loss`), 0-dim each.
 at::Tensor run_fwd(
     const at::Tensor &img, const at::Tensor &gt, bool save_partials, bool with_l1, double ssim_lambda,
-    at::Tensor &ssim, at::Tensor &l1, at::Tensor &loss
+    at::Tensor &ssim, at::Tensor &l1, at::Tensor &loss, const int *valid
 ) {
-    const SsimDims d = dims_of(img, gt);
+    SsimDims d = dims_of(img, gt);
+    d.valid = valid;
     const c10::cuda::CUDAGuard guard(img.device());
     const auto fopts = img.options();
     const int blocks = ssim_fwd_num_blocks(d);
@@ -94,18 +105,19 @@ at::Tensor run_fwd(
 std::vector<at::Tensor> ssim_fwd(const at::Tensor &img, const at::Tensor &gt, bool save_partials) {
     at::Tensor mean = at::empty({}, img.options());
     at::Tensor unused;
-    at::Tensor partials = run_fwd(img, gt, save_partials, false, 0.0, mean, unused, unused);
+    at::Tensor partials = run_fwd(img, gt, save_partials, false, 0.0, mean, unused, unused, nullptr);
     return {mean, partials};
 }
 
 // The 3DGS training loss in one pass: (1 - lambda) L1 + lambda (1 - SSIM), SSIM and L1 (0-dim
-// tensors each), and the partials for loss_bwd.
-std::vector<at::Tensor> loss_fwd(const at::Tensor &img, const at::Tensor &gt, double ssim_lambda, bool save_partials) {
+// tensors each), and the partials for loss_bwd. valid: see SsimDims (None: the whole images).
+std::vector<at::Tensor> loss_fwd(const at::Tensor &img, const at::Tensor &gt, double ssim_lambda, bool save_partials,
+                                 const std::optional<at::Tensor> &valid) {
     TORCH_CHECK(ssim_lambda >= 0.0 && ssim_lambda <= 1.0, "ssim_lambda must be in [0, 1]");
     at::Tensor loss = at::empty({}, img.options());
     at::Tensor ssim = at::empty({}, img.options());
     at::Tensor l1 = at::empty({}, img.options());
-    at::Tensor partials = run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss);
+    at::Tensor partials = run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss, valid_size(valid, img));
     return {loss, ssim, l1, partials};
 }
 
@@ -113,9 +125,10 @@ namespace {
 
 at::Tensor run_bwd(
     const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out,
-    double ssim_weight, double l1_weight
+    double ssim_weight, double l1_weight, const int *valid
 ) {
-    const SsimDims d = dims_of(img, gt);
+    SsimDims d = dims_of(img, gt);
+    d.valid = valid;
     TORCH_CHECK(partials.is_cuda() && partials.scalar_type() == at::kFloat && partials.is_contiguous(),
                 "partials must be a contiguous float32 CUDA tensor");
     TORCH_CHECK(
@@ -126,7 +139,6 @@ at::Tensor run_bwd(
     const c10::cuda::CUDAGuard guard(img.device());
     const at::Tensor g = grad_out.to(at::kFloat).contiguous();
     at::Tensor grad_img = at::empty_like(img);
-    const double count = (double)d.batch * d.height * d.width * d.channels;
     check_cuda(
         launch_ssim_bwd(
             d,
@@ -135,8 +147,8 @@ at::Tensor run_bwd(
             gt.data_ptr<float>(),
             partials.data_ptr<float>(),
             g.data_ptr<float>(),
-            (float)(ssim_weight / count),
-            (float)(l1_weight / count),
+            ssim_weight,
+            l1_weight,
             grad_img.data_ptr<float>(),
             c10::cuda::getCurrentCUDAStream().stream()
         ),
@@ -151,15 +163,15 @@ at::Tensor run_bwd(
 at::Tensor ssim_bwd(
     const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out
 ) {
-    return run_bwd(img, gt, partials, grad_out, 1.0, 0.0);
+    return run_bwd(img, gt, partials, grad_out, 1.0, 0.0, nullptr);
 }
 
 // dL/dimg for L = grad_out * ((1 - lambda) L1 + lambda (1 - SSIM)).
 at::Tensor loss_bwd(
     const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out,
-    double ssim_lambda
+    double ssim_lambda, const std::optional<at::Tensor> &valid
 ) {
-    return run_bwd(img, gt, partials, grad_out, -ssim_lambda, 1.0 - ssim_lambda);
+    return run_bwd(img, gt, partials, grad_out, -ssim_lambda, 1.0 - ssim_lambda, valid_size(valid, img));
 }
 
 } // namespace gstrain

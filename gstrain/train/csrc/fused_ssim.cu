@@ -103,18 +103,20 @@ __global__ void __launch_bounds__(kThreads) ssim_fwd_kernel(
     __shared__ float s_red[kThreads];
 
     const int H = dims.height, W = dims.width, C = dims.channels;
+    const int VW = dims.valid != nullptr ? dims.valid[0] : W; // the image inside the canvas
+    const int VH = dims.valid != nullptr ? dims.valid[1] : H;
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int tid = ty * kTileW + tx;
     const int x0 = blockIdx.x * kTileW, y0 = blockIdx.y * kTileH;
     const int b = blockIdx.z;
     const int px = x0 + tx, py = y0 + ty;
-    const bool inside = px < W && py < H;
+    const bool inside = px < VW && py < VH;
     const size_t hw = (size_t)H * W;
     const float *img_b = img + (size_t)b * hw * C;
     const float *gt_b = gt + (size_t)b * hw * C;
 
     // The tile's centre pixel (clamped into the image) is the shift of each channel.
-    const size_t centre = ((size_t)min(y0 + kTileH / 2, H - 1) * W + min(x0 + kTileW / 2, W - 1)) * C;
+    const size_t centre = ((size_t)min(y0 + kTileH / 2, VH - 1) * W + min(x0 + kTileW / 2, VW - 1)) * C;
 
     float sum = 0.f;
     float l1 = 0.f; // sum of |x - y| at this thread's pixel over channels (when asked for)
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) ssim_fwd_kernel(
             const int r = i / kHaloW, c = i - r * kHaloW;
             const int gy = y0 - kSsimRadius + r, gx = x0 - kSsimRadius + c;
             float xv = -kx, yv = -ky;
-            if (gy >= 0 && gy < H && gx >= 0 && gx < W) {
+            if (gy >= 0 && gy < VH && gx >= 0 && gx < VW) {
                 const size_t o = ((size_t)gy * W + gx) * C + k;
                 xv = img_b[o] - kx;
                 yv = gt_b[o] - ky;
@@ -205,6 +207,8 @@ __global__ void __launch_bounds__(kFinishThreads) ssim_finish_kernel(
     const float *__restrict__ l1_block_sums,
     const int n,
     const double inv_count,
+    const int *__restrict__ valid,
+    const double per_valid_pixel,
     const double ssim_lambda,
     float *__restrict__ out_ssim,
     float *__restrict__ out_l1,
@@ -212,11 +216,13 @@ __global__ void __launch_bounds__(kFinishThreads) ssim_finish_kernel(
 ) {
     __shared__ double s_red[kFinishThreads];
     const int tid = threadIdx.x;
+    // a valid size on the device: the mean over its pixels
+    const double inv = valid != nullptr ? 1.0 / (per_valid_pixel * valid[0] * valid[1]) : inv_count;
     double acc = 0.0;
     for (int i = tid; i < n; i += kFinishThreads) acc += (double)block_sums[i];
     const double total = block_sum<double, kFinishThreads>(s_red, tid, acc);
     if (l1_block_sums == nullptr) {
-        if (tid == 0) out_ssim[0] = (float)(total * inv_count);
+        if (tid == 0) out_ssim[0] = (float)(total * inv);
         return;
     }
     __syncthreads(); // s_red is reused
@@ -224,7 +230,7 @@ __global__ void __launch_bounds__(kFinishThreads) ssim_finish_kernel(
     for (int i = tid; i < n; i += kFinishThreads) acc_l1 += (double)l1_block_sums[i];
     const double total_l1 = block_sum<double, kFinishThreads>(s_red, tid, acc_l1);
     if (tid == 0) {
-        const double ssim = total * inv_count, l1 = total_l1 * inv_count;
+        const double ssim = total * inv, l1 = total_l1 * inv;
         out_ssim[0] = (float)ssim;
         out_l1[0] = (float)l1;
         out_loss[0] = (float)((1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - ssim));
@@ -238,24 +244,28 @@ __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
     const float *__restrict__ gt,
     const float *__restrict__ partials,
     const float *__restrict__ grad_out,
-    const float scale,
-    const float l1_scale,
+    const double ssim_weight,
+    const double l1_weight,
     float *__restrict__ grad_img
 ) {
     __shared__ float s_p[3][kHaloH][kHaloW];
     __shared__ float s_h[3][kHaloH][kTileW];
 
     const int H = dims.height, W = dims.width, C = dims.channels;
+    const int VW = dims.valid != nullptr ? dims.valid[0] : W; // the image inside the canvas
+    const int VH = dims.valid != nullptr ? dims.valid[1] : H;
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int tid = ty * kTileW + tx;
     const int x0 = blockIdx.x * kTileW, y0 = blockIdx.y * kTileH;
     const int b = blockIdx.z;
     const int px = x0 + tx, py = y0 + ty;
-    const bool inside = px < W && py < H;
+    const bool in_canvas = px < W && py < H;
+    const bool inside = px < VW && py < VH;
     const size_t hw = (size_t)H * W;
-    const size_t pix = (size_t)b * hw * C + ((size_t)py * W + px) * C; // only used when inside
-    const float g = grad_out[0] * scale;
-    const float g_l1 = grad_out[0] * l1_scale; // 0 for SSIM alone
+    const size_t pix = (size_t)b * hw * C + ((size_t)py * W + px) * C; // only used in the canvas
+    const double count = (double)dims.batch * VH * VW * C;
+    const float g = grad_out[0] * (float)(ssim_weight / count);
+    const float g_l1 = grad_out[0] * (float)(l1_weight / count); // 0 for SSIM alone
 
     for (int k = 0; k < C; ++k) {
         // the three planes of channel k; outside the image they are zero (the adjoint of the
@@ -265,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
             const int r = i / kHaloW, c = i - r * kHaloW;
             const int gy = y0 - kSsimRadius + r, gx = x0 - kSsimRadius + c;
             float dm = 0.f, ds = 0.f, dc = 0.f;
-            if (gy >= 0 && gy < H && gx >= 0 && gx < W) {
+            if (gy >= 0 && gy < VH && gx >= 0 && gx < VW) {
                 const size_t o = (size_t)gy * W + gx;
                 dm = planes[o];
                 ds = planes[hw + o];
@@ -306,6 +316,8 @@ __global__ void __launch_bounds__(kThreads) ssim_bwd_kernel(
             const float yv = gt[pix + k];
             const float sign = (float)(xv > yv) - (float)(xv < yv); // d|x - y|/dx, 0 at x == y as torch
             grad_img[pix + k] = g * (fm + 2.f * xv * fs + yv * fc) + g_l1 * sign;
+        } else if (in_canvas) {
+            grad_img[pix + k] = 0.f; // outside the valid image: no loss term reads this pixel
         }
         // the next channel's staging writes s_p only: its horizontal pass comes after a barrier
         // that every thread reaches after this vertical pass
@@ -347,7 +359,8 @@ cudaError_t launch_ssim_fwd(
     const dim3 one(1);
     const dim3 finish_block(kFinishThreads);
     ssim_finish_kernel<<<one, finish_block, 0, stream>>>(
-        block_sums, l1_block_sums, ssim_fwd_num_blocks(d), 1.0 / count, ssim_lambda, out_ssim, out_l1, out_loss
+        block_sums, l1_block_sums, ssim_fwd_num_blocks(d), 1.0 / count, d.valid, (double)d.batch * d.channels,
+        ssim_lambda, out_ssim, out_l1, out_loss
     );
     return cudaGetLastError();
 }
@@ -359,15 +372,16 @@ cudaError_t launch_ssim_bwd(
     const float *gt,
     const float *partials,
     const float *grad_out,
-    float scale,
-    float l1_scale,
+    double ssim_weight,
+    double l1_weight,
     float *grad_img,
     cudaStream_t stream
 ) {
     if (d.batch <= 0 || d.height <= 0 || d.width <= 0 || d.channels <= 0) return cudaErrorInvalidValue;
     const dim3 grid = tile_grid(d);
     const dim3 block(kTileW, kTileH);
-    ssim_bwd_kernel<<<grid, block, 0, stream>>>(d, taps, img, gt, partials, grad_out, scale, l1_scale, grad_img);
+    ssim_bwd_kernel<<<grid, block, 0, stream>>>(d, taps, img, gt, partials, grad_out, ssim_weight, l1_weight,
+                                                grad_img);
     return cudaGetLastError();
 }
 

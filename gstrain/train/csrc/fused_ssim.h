@@ -16,11 +16,15 @@ struct SsimTaps {
 };
 
 // Images are [batch, height, width, channels] float32, contiguous (HWC, as the trainer has them).
+// With `valid` ([2] int32 on the device: width, height; else nullptr) each image is that top-left
+// part of the height x width canvas: the loss is the one of the cropped images (zero padding at
+// the valid edge, the mean over valid pixels) and the gradient outside it is 0.
 struct SsimDims {
     int batch;
     int height;
     int width;
     int channels;
+    const int *valid;
 };
 
 // Number of per-block partial sums the forward writes (the length of `block_sums`).
@@ -46,9 +50,9 @@ cudaError_t launch_ssim_fwd(
     cudaStream_t stream
 );
 
-// Backward: grad_img = grad_out[0] * (scale * (G*dm + 2 img G*ds + gt G*dc) + l1_scale *
-// sign(img - gt)), G the same window (l1_scale 0 for SSIM alone). grad_out is a device pointer,
-// so the upstream gradient is never read on the host.
+// Backward: grad_img = grad_out[0] * (ssim_weight / N * (G*dm + 2 img G*ds + gt G*dc) +
+// l1_weight / N * sign(img - gt)), G the same window, N the (valid) values (l1_weight 0 for SSIM
+// alone). grad_out is a device pointer, so the upstream gradient is never read on the host.
 cudaError_t launch_ssim_bwd(
     const SsimDims &d,
     const SsimTaps &taps,
@@ -56,8 +60,8 @@ cudaError_t launch_ssim_bwd(
     const float *gt,
     const float *partials,
     const float *grad_out,
-    float scale,
-    float l1_scale,
+    double ssim_weight,
+    double l1_weight,
     float *grad_img,
     cudaStream_t stream
 );

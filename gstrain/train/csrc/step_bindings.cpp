@@ -118,7 +118,7 @@ void adam_step(
 // DefaultStrategy's running statistics for one camera, in place: grad2d and count [N] float32.
 void grad2d_stats(
     const at::Tensor &grad, const at::Tensor &radii, double scale_x, double scale_y, at::Tensor &grad2d,
-    at::Tensor &count, const std::optional<at::Tensor> &skip
+    at::Tensor &count, const std::optional<at::Tensor> &skip, const std::optional<at::Tensor> &size
 ) {
     const at::Device device = grad.device();
     check_float_cuda(grad, "grad", device);
@@ -134,11 +134,19 @@ void grad2d_stats(
         TORCH_CHECK(skip->is_cuda() && skip->scalar_type() == at::kInt && skip->numel() == 1, "skip must be one int32");
         skip_ptr = skip->data_ptr<int>();
     }
+    const int *size_ptr = nullptr;
+    if (size.has_value() && size->defined()) {
+        TORCH_CHECK(size->is_cuda() && size->device() == device && size->scalar_type() == at::kInt &&
+                        size->is_contiguous() && size->numel() == 2,
+                    "size must be [width, height], int32 on ", device);
+        size_ptr = size->data_ptr<int>();
+    }
     const c10::cuda::CUDAGuard guard(device);
     check_cuda(
         launch_grad2d_stats(
             n, grad.data_ptr<float>(), radii.data_ptr<int32_t>(), (float)scale_x, (float)scale_y,
-            grad2d.data_ptr<float>(), count.data_ptr<float>(), skip_ptr, c10::cuda::getCurrentCUDAStream().stream()
+            grad2d.data_ptr<float>(), count.data_ptr<float>(), skip_ptr, size_ptr,
+            c10::cuda::getCurrentCUDAStream().stream()
         ),
         "densification statistics"
     );

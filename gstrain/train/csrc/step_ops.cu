@@ -49,15 +49,19 @@ __global__ void grad2d_stats_kernel(
     const float scale_y,
     float *__restrict__ grad2d,
     float *__restrict__ count,
-    const int *__restrict__ skip
+    const int *__restrict__ skip,
+    const int *__restrict__ size
 ) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n || (skip != nullptr && *skip != 0)) return;
     const int2 r = radii[i];
     if (r.x <= 0 || r.y <= 0) return;
     const float2 g = grad[i];
-    const float gx = g.x * scale_x;
-    const float gy = g.y * scale_y;
+    // with the image size on the device, the scales are per-pixel factors of its width and height
+    const float sx = size != nullptr ? scale_x * (float)size[0] : scale_x;
+    const float sy = size != nullptr ? scale_y * (float)size[1] : scale_y;
+    const float gx = g.x * sx;
+    const float gy = g.y * sy;
     grad2d[i] += sqrtf(gx * gx + gy * gy);
     count[i] += 1.0f;
 }
@@ -82,6 +86,7 @@ cudaError_t launch_grad2d_stats(
     float *grad2d,
     float *count,
     const int *skip,
+    const int *size,
     cudaStream_t stream
 ) {
     if (n == 0) return cudaSuccess;
@@ -89,7 +94,7 @@ cudaError_t launch_grad2d_stats(
     const int64_t blocks = (n + kThreads - 1) / kThreads;
     grad2d_stats_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(
         n, reinterpret_cast<const float2 *>(grad), reinterpret_cast<const int2 *>(radii), scale_x, scale_y,
-        grad2d, count, skip
+        grad2d, count, skip, size
     );
     return cudaGetLastError();
 }

@@ -44,7 +44,8 @@ int64_t adam_block_elements();
 cudaError_t launch_adam(const AdamBatch &batch, cudaStream_t stream);
 
 // grad2d[i] += |(grad[i].x * scale_x, grad[i].y * scale_y)| and count[i] += 1 for every Gaussian
-// whose radii are both > 0 (DefaultStrategy's running statistics for one camera).
+// whose radii are both > 0 (DefaultStrategy's running statistics for one camera). With `size`
+// ([2] int32 on the device: the image's width and height), the scales multiply them.
 cudaError_t launch_grad2d_stats(
     int64_t n,
     const float *grad,   // [n, 2]
@@ -54,6 +55,7 @@ cudaError_t launch_grad2d_stats(
     float *grad2d, // [n]
     float *count,  // [n]
     const int *skip, // nullptr, or a flag: non-zero leaves grad2d and count as they are
+    const int *size, // nullptr, or [2]
     cudaStream_t stream
 );
 

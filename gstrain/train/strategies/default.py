@@ -76,10 +76,13 @@ class FastStatsStrategy(GsplatDefaultStrategy):
         if grads.is_cuda:
             from gstrain.train.step_ops import ensure_built
 
+            size = info.get("valid_size")  # a render on a canvas: the view's size is on the device
+            if size is not None:
+                scale_x = scale_y = 0.5 * cams
             for c in range(cams):
                 ensure_built().grad2d_stats(grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(),
                                             scale_x, scale_y, state["grad2d"], state["count"],
-                                            self.skip_flag)  # fmt: skip
+                                            self.skip_flag, size)  # fmt: skip
             return None
         visible = (radii > 0).all(dim=-1)
         scaled = grads.clone()

@@ -1,0 +1,59 @@
+"""gsplat's projection with the image size read on the device (csrc/project.cu).
+
+gsplat's fully_fused_projection takes the image's width and height as kernel arguments, and they
+matter: its Jacobian is clamped to the frustum widened by 0.3 tan(half fov), and Gaussians off the
+image are culled. A CUDA graph captured with one size therefore cannot replay a view of another.
+This is the same function (pinhole, eps2d blur, no compensation, 3.33 sigma radii) with the size
+in a [2] int32 device tensor, so one graph serves views of every size (train/graph_step.py).
+tests/test_sized_projection_cuda.py compares it with gsplat's, forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+EPS2D = 0.3  # as render/cuda.project_splats calls gsplat
+NEAR_PLANE = 0.01
+FAR_PLANE = 1e10  # gsplat's default
+
+
+class _SizedProjection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor,
+                size: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+        from gstrain.render.cuda import ensure_built
+
+        radii, means2d, depths, conics = ensure_built().project_fwd(
+            means, quats, scales, viewmat, K, size, EPS2D, NEAR_PLANE, FAR_PLANE
+        )
+        ctx.save_for_backward(means, quats, scales, viewmat, K, size, radii, conics)
+        ctx.mark_non_differentiable(radii)
+        return radii, means2d, depths, conics
+
+    @staticmethod
+    def backward(ctx: Any, _v_radii: Tensor, v_means2d: Tensor, v_depths: Tensor | None,
+                 v_conics: Tensor) -> tuple[Tensor | None, ...]:  # fmt: skip
+        from gstrain.render.cuda import ensure_built
+
+        means, quats, scales, viewmat, K, size, radii, conics = ctx.saved_tensors
+        v_depths = None if v_depths is None else v_depths.contiguous()
+        v_means, v_quats, v_scales = ensure_built().project_bwd(
+            means, quats, scales, viewmat, K, size, EPS2D, radii, conics, v_means2d.contiguous(), v_depths,
+            v_conics.contiguous(),
+        )  # fmt: skip
+        return v_means, v_quats, v_scales, None, None, None
+
+
+def project_sized(means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor,
+                  size: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """fully_fused_projection(means, None, quats, scales, viewmat[None], K[None], W, H, eps2d=0.3,
+    near_plane=0.01, packed=False) for one camera, with (W, H) = size ([2] int32 on the device):
+    radii [1,N,2] int32, means2d [1,N,2], depths [1,N], conics [1,N,3] (zeros where culled).
+    scales are linear; gradients flow to means, quats and scales."""
+    return _SizedProjection.apply(
+        means.float().contiguous(), quats.float().contiguous(), scales.float().contiguous(),
+        viewmat.float().contiguous(), K.float().contiguous(), size,
+    )  # fmt: skip
