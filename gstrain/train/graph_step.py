@@ -20,14 +20,15 @@ What a graph freezes, and how each is handled:
   before each replay (fused_adam.advance); the view's camera, image (and on the canvas its size
   and statistics row) are copied into the graph's inputs;
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
-  (log.time_every), ARC's tuning calls, masked views, the first step, and an image size's first
+  (log.time_every), ARC's tuning calls, masked views, the first step, and a graph key's first
   CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an eager step does,
   bench/graph_study.py). Batches (train.batch_size > 1) never use graphs.
 Exactness: a view whose pairs overflow the capacity sets the budget's sticky flag, and Adam and
 the statistics are no-ops while it is set. Before the host reads anything (settle()), it checks
-the flag and redoes the steps from the first overflowed one, its size's capacity grown to fit. A
+the flag and redoes the steps from the first overflowed one, its group's capacity grown to fit. A
 graph step computes the eager step's function (tests/test_graph_cuda.py checks it on a GPU,
-tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU).
+tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU); a canvas step equals
+the step at the view's own size within float tolerance (tests/test_sized_projection_cuda.py).
 """
 
 from __future__ import annotations
