@@ -286,3 +286,20 @@ def test_views_of_several_sizes_share_a_canvas_and_graphs_by_capacity_class():
     assert monkey_runs == [(5, 1), (6, 0)]
     assert graphs._capacity(1) >= 1.5 * 1_200_000 and graphs._capacity(0) == caps[0]
     assert graphs.summary()["canvas"] == [64, 90]
+
+
+def test_a_canvas_render_without_the_capped_intersection_is_refused():
+    """A valid size means a canvas, which only the capped intersection clips to: without a pair
+    budget (or the cull) the render would quietly take the whole canvas as the view."""
+    import pytest
+
+    from gstrain.render.cuda import project_splats
+    from gstrain.render.isect import PairBudget
+
+    params = {"means": torch.zeros(2, 3), "quats": torch.ones(2, 4), "scales": torch.zeros(2, 3),
+              "opacities": torch.zeros(2)}  # fmt: skip
+    valid = torch.tensor([30, 20], dtype=torch.int32)
+    budget = PairBudget.on(torch.device("cpu"), 64)
+    for kwargs in ({"ellipse_cull": True}, {"ellipse_cull": False, "budget": budget}):
+        with pytest.raises(ValueError, match="pair budget and ellipse_cull"):
+            project_splats(params, torch.eye(4), torch.eye(3), 64, 48, valid=valid, **kwargs)

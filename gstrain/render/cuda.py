@@ -28,6 +28,7 @@ from gstrain.render.arc import ArcTuner
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strategy_info
 from gstrain.render.isect import PairBudget, capped_intersection
 from gstrain.render.projection import camera_centre
+from gstrain.render.sized_projection import EPS2D, NEAR_PLANE, project_sized
 
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
 TILE_SIZE = 16
@@ -273,9 +274,9 @@ def project_splats(
     pairs whose alpha is provably < 1/255 on their whole tile are dropped (intersect_splats).
     With a budget and `valid` (RasterOptions.valid_size), width x height is a canvas and the view
     the valid part of it: the device-sized projection replaces gsplat's."""
-    if valid is not None and budget is not None and ellipse_cull:
-        from gstrain.render.sized_projection import project_sized
-
+    if valid is not None:
+        if budget is None or not ellipse_cull:  # a canvas only means something to the capped intersection
+            raise ValueError("a canvas render (valid size) needs a pair budget and ellipse_cull")
         radii, means2d, depths, conics = project_sized(params["means"], params["quats"], torch.exp(params["scales"]),
                                                        viewmat, K, valid)  # fmt: skip
     else:
@@ -283,7 +284,8 @@ def project_splats(
 
         radii, means2d, depths, conics, _ = fully_fused_projection(
             params["means"], None, params["quats"], torch.exp(params["scales"]),
-            viewmat[None].float(), K[None].float(), width, height, eps2d=0.3, near_plane=0.01, packed=False,
+            viewmat[None].float(), K[None].float(), width, height, eps2d=EPS2D, near_plane=NEAR_PLANE,
+            packed=False,
         )  # fmt: skip
     opacities = torch.sigmoid(params["opacities"])[None]
     if budget is not None and ellipse_cull:

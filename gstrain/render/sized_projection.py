@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-EPS2D = 0.3  # as render/cuda.project_splats calls gsplat
+EPS2D = 0.3  # render/cuda.project_splats calls gsplat with these too
 NEAR_PLANE = 0.01
 FAR_PLANE = 1e10  # gsplat's default
 
