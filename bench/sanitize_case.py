@@ -6,7 +6,8 @@ Run by bench/gpu_tests.sh as
 Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
 channel counts that take the direct (3), padded (5) and chunked (40) paths; then the culled
 tile intersection (render.ellipse_cull) on the same cameras, the training-step kernels, and a
-step's kernels on a canvas (the device-sized projection, intersection, loss and statistics).
+step's kernels on a canvas (the device-sized projection, intersection, loss and statistics), and
+the fused SH colours at every degree.
 """
 
 from __future__ import annotations
@@ -63,7 +64,29 @@ def main() -> int:
     print(f"sanitize case: {len(runs)} forward+backward runs done, {flatten_ids.numel()} intersections")
     if culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height):
         return 1
-    return step_kernels_case(gen) or canvas_case(gen)
+    return step_kernels_case(gen) or canvas_case(gen) or sh_colors_case(gen)
+
+
+def sh_colors_case(gen: torch.Generator) -> int:
+    """render/sh_colors.py: 301 Gaussians (not a multiple of the block), some invisible, every
+    degree with shN holding 15 coefficients (more than degrees 0-2 read)."""
+    from gstrain.render.sh_colors import sh_colors
+
+    n = 301
+    means = (torch.randn(n, 3, generator=gen) * 2.0).cuda().requires_grad_(True)
+    sh0 = torch.randn(n, 1, 3, generator=gen).cuda().requires_grad_(True)
+    shN = torch.randn(n, 15, 3, generator=gen).cuda().requires_grad_(True)
+    radii = torch.randint(0, 3, (1, n, 2), generator=gen, dtype=torch.int32).cuda()
+    viewmat = torch.eye(4).cuda()
+    viewmat[2, 3] = 3.0
+    for degree in range(4):
+        sh_colors(means, sh0, shN, viewmat, radii, degree).square().sum().backward()
+    torch.cuda.synchronize()
+    if not all(torch.isfinite(g).all() for g in (means.grad, sh0.grad, shN.grad)):
+        print("sanitize case: the SH colour kernels gave non-finite gradients")
+        return 1
+    print("sanitize case: SH colour kernels done, degrees 0-3")
+    return 0
 
 
 def culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height) -> int:

@@ -111,6 +111,10 @@ class RenderConfig:
     # on the whole tile, inside our intersection kernel (gstrain/render/isect.py, test in cull.py);
     # images and gradients stay the same. render.backend=gsplat keeps gsplat's own intersection
     ellipse_cull: bool = True
+    # speed switch (our CUDA backend): the colours from the SH in one kernel each way
+    # (gstrain/render/sh_colors.py) instead of gsplat's spherical_harmonics and the tensor ops
+    # around it (a [N, 16, 3] concatenation among them); the same function
+    fused_sh: bool = True
 
 
 @dataclass
@@ -118,9 +122,10 @@ class LogConfig:
     progress_every: int = 25  # progress bar / NaN check cadence (each is one host sync)
     tb_every: int = 100  # TensorBoard scalars and per-phase timings
     # time the phases of every Nth step (events cost host time; 1 = every step). A timed step runs
-    # eagerly, not as a CUDA graph (train.cuda_graphs), so timing often slows the run. 49 shares no
-    # factor with refine_every's 100: timed steps meet refinements at their own rate, not every other time
-    time_every: int = 49
+    # eagerly, not as a CUDA graph (train.cuda_graphs), and waits for the queued replays first, so
+    # timing often slows the run: 197 keeps 152 samples in 30k steps (49 had 612). A prime: timed
+    # steps meet refinements (every 100) at their own rate
+    time_every: int = 197
     eval_steps: list[int] = field(default_factory=lambda: [7000, 30_000])
     save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports
     ckpt_every: int = 1000  # full checkpoints, so a crash or NaN loses at most this many steps

@@ -37,6 +37,7 @@ SWITCHES = {
     "torch Adam": ("optim", "fused_adam", False),
     "gsplat stats": ("strategy", "fast_stats", False),
     "no ellipse cull": ("render", "ellipse_cull", False),
+    "gsplat SH": ("render", "fused_sh", False),
     "no CUDA graphs": ("train", "cuda_graphs", False),
 }
 # Opt-in switches (off by default): profiled turned on over the configuration as given; off in the baseline.

@@ -641,9 +641,12 @@ def test_renderer_picks_backend_and_carries_one_options_object():
     cpu = torch.device("cpu")
     renderer = Renderer(RenderConfig(atomic_mode="distwar", atomic_threshold=5), cpu, absgrad=True)
     assert renderer.backend == "reference" and renderer.atomic_threshold is None
-    # the config's ellipse cull (on by default) reaches the options; only the gsplat backend drops it
+    # the config's ellipse cull and fused SH (on by default) reach the options; only the gsplat
+    # backend drops them
     assert renderer.options == RasterOptions(absgrad=True, atomic_mode="distwar", atomic_threshold=5,
-                                             ellipse_cull=True)  # fmt: skip
+                                             ellipse_cull=True, fused_sh=True)  # fmt: skip
+    off = Renderer(RenderConfig(fused_sh=False), cpu)
+    assert not off.options.fused_sh and off.options.ellipse_cull
     if not torch.cuda.is_available():
         for backend in ("cuda", "gsplat"):
             with pytest.raises(UserError, match=f"render.backend={backend} needs a CUDA GPU"):

@@ -152,7 +152,7 @@ def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int,
         w, h = int(batch.widths[i]), int(batch.heights[i])
         splats = intersect_splats(means2d[view], conics[view], opacities[None], radii[view], depths[view], w, h,
                                   options.ellipse_cull)  # fmt: skip
-        colors = splat_colors(shard, batch.viewmats[i], sh_degree, radii[view])
+        colors = splat_colors(shard, batch.viewmats[i], sh_degree, radii[view], fused=options.fused_sh)
         image, alpha = rasterize_splats(splats, colors, background, options)
         images.append(image[0])
         alphas.append(alpha[0])

@@ -52,10 +52,12 @@ class Renderer:
             ensure_built()
             if cfg.atomic_mode == "arc":  # one tuner per renderer: its own scene, sizes and population
                 self.tuner = ArcTuner()
-        # backend gsplat is gsplat's own pipeline (the comparisons' baseline): its intersection too
+        # backend gsplat is gsplat's own pipeline (the comparisons' baseline): its intersection and SH too
+        ours = backend != "gsplat"
         self.options = RasterOptions(
             absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
-            tuner=self.tuner, gsplat_raster=backend == "gsplat", ellipse_cull=cfg.ellipse_cull and backend != "gsplat",
+            tuner=self.tuner, gsplat_raster=not ours, ellipse_cull=cfg.ellipse_cull and ours,
+            fused_sh=cfg.fused_sh and ours,
         )  # fmt: skip
 
     def __call__(

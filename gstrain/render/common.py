@@ -20,6 +20,8 @@ class RasterOptions:
     backward's reduction (config.ATOMIC_MODES). tuner: arc's ArcTuner (None: the process-wide
     one). vector_atomics: None = our default for the mode. ellipse_cull: drop the (Gaussian, tile)
     pairs whose alpha is provably < 1/255 on the whole tile before either rasterizer runs.
+    fused_sh: the colours from the SH in one kernel each way (render/sh_colors.py) instead of gsplat's
+    spherical_harmonics and its surrounding tensor ops; the same function.
     pair_budget: a render/isect.PairBudget makes the culled intersection sync-free (fixed-capacity
     pair buffers, the count kept on the device), as a CUDA-graph step needs.
     valid_size: with a pair budget, a [2] int32 device tensor (width, height): the view is that
@@ -35,6 +37,7 @@ class RasterOptions:
     vector_atomics: bool | None = None
     gsplat_raster: bool = False
     ellipse_cull: bool = False
+    fused_sh: bool = False
     pair_budget: Any = None  # gstrain.render.isect.PairBudget
     valid_size: Any = None  # torch.Tensor [2] int32 on the device
 

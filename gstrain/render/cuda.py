@@ -1,7 +1,8 @@
 """Our CUDA rasterizer: JIT build, autograd Function, and render_cuda(params, camera).
 
 Projection, spherical harmonics and tile intersection come from gsplat (the intersection
-from our csrc/isect.cu when render.ellipse_cull is on); rasterize forward and
+from our csrc/isect.cu when render.ellipse_cull is on, the colours from our fused kernel
+csrc/sh_colors.cu when render.fused_sh is); rasterize forward and
 backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen per call:
   atomic   every contributing lane adds its own gradients (the original 3DGS kernel)
   warp     always reduce across the warp, lane 0 adds (gsplat's way)
@@ -28,6 +29,7 @@ from gstrain.render.arc import ArcTuner
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strategy_info
 from gstrain.render.isect import PairBudget, capped_intersection
 from gstrain.render.projection import camera_centre
+from gstrain.render.sh_colors import sh_colors
 from gstrain.render.sized_projection import EPS2D, NEAR_PLANE, project_sized
 
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
@@ -36,9 +38,9 @@ MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("bindings.cpp", "isect_bindings.cpp", "project_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu",
-            "raster_bwd_vec.cu", "isect.cu", "project.cu")
+            "raster_bwd_vec.cu", "isect.cu", "project.cu", "sh_colors.cu")
 _HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h", "isect_bindings.h", "project.h",
-            "project_bindings.h", "torch_checks.h")
+            "project_bindings.h", "sh_colors.h", "torch_checks.h")
 _SOURCE_PATHS = tuple(_CSRC / f for f in _SOURCES)
 _HEADER_PATHS = tuple(_CSRC / f for f in _HEADERS)
 
@@ -330,8 +332,11 @@ def intersect_splats(
 
 
 def splat_colors(params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, sh_degree: int,
-                 radii: Tensor) -> Tensor:
-    """colour = max(SH(dirs) + 0.5, 0) with dirs = mean - camera centre, via gsplat ([1, N, 3])."""
+                 radii: Tensor, fused: bool = False) -> Tensor:
+    """colour = max(SH(dirs) + 0.5, 0) with dirs = mean - camera centre ([1, N, 3]): via gsplat, or
+    with `fused` in one kernel each way (render/sh_colors.py, the same function)."""
+    if fused:
+        return sh_colors(params["means"], params["sh0"], params["shN"], viewmat, radii, sh_degree)
     from gsplat import spherical_harmonics
 
     means = params["means"]
@@ -391,7 +396,7 @@ def render_cuda(
     with phase(timer, "projection"):
         splats = project_splats(params, viewmat, K, width, height, options.ellipse_cull,
                                 budget=options.pair_budget, valid=options.valid_size)  # fmt: skip
-        colors = splat_colors(params, viewmat, sh_degree, splats.radii)
+        colors = splat_colors(params, viewmat, sh_degree, splats.radii, fused=options.fused_sh)
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
         conics = span.input(splats.conics) if span is not None else None

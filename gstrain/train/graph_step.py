@@ -33,6 +33,7 @@ the step at the view's own size within float tolerance (tests/test_sized_project
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -315,9 +316,13 @@ class GraphSteps:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
+        collecting = gc.isenabled()
+        gc.disable()  # no finalizer (an old graph's, a tensor's) may run CUDA calls inside the capture
         try:
             with torch.cuda.stream(self.stream):
-                graph.capture_begin(pool=self.pool)
+                # thread_local: another thread's CUDA call (a checkpoint writer's, a viewer's) must
+                # not invalidate this capture, as the default "global" mode lets it
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     gt = inputs["image"].float() / 255.0
                     result = runner.run(t.params, t.optimizers, step, inputs["viewmat"], inputs["K"], gt,
@@ -326,6 +331,8 @@ class GraphSteps:
                 finally:
                     graph.capture_end()
         finally:
+            if collecting:
+                gc.enable()
             renderer.options = options
             runner.graph_adam = None
             t.strategy.set_skip_flag(None)

@@ -307,5 +307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("isect_fill_capped", &gstrain::isect_fill_capped, "culled tile intersection into a fixed capacity");
     m.def("project_fwd", &gstrain::project_fwd, "EWA projection, image size read on the device");
     m.def("project_bwd", &gstrain::project_bwd, "EWA projection backward, image size read on the device");
+    m.def("sh_colors_fwd", &gstrain::sh_colors_fwd, "colours from spherical harmonics, fused");
+    m.def("sh_colors_bwd", &gstrain::sh_colors_bwd, "colours from spherical harmonics, fused backward");
     m.attr("THRESHOLD_NEVER") = gstrain::kThresholdNever;
 }

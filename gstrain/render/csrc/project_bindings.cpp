@@ -1,10 +1,12 @@
-// PyTorch bindings of the device-sized projection (project.cu): checks, allocation, launches.
+// PyTorch bindings of the device-sized projection (project.cu) and the fused SH colours
+// (sh_colors.cu): checks, allocation, launches.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "project.h"
 #include "project_bindings.h"
+#include "sh_colors.h"
 #include "torch_checks.h"
 
 namespace gstrain {
@@ -36,6 +38,34 @@ ProjectArgs make_project_args(
     a.eps2d = (float)eps2d;
     a.near_plane = (float)near_plane;
     a.far_plane = (float)far_plane;
+    return a;
+}
+
+ShColorArgs make_sh_args(
+    const at::Tensor &means, const at::Tensor &sh0, const at::Tensor &shN, const at::Tensor &viewmat,
+    const at::Tensor &radii, int64_t degree
+) {
+    check_tensor(means, "means", at::kFloat);
+    check_tensor(sh0, "sh0", at::kFloat);
+    check_tensor(shN, "shN", at::kFloat);
+    check_tensor(viewmat, "viewmat", at::kFloat);
+    check_tensor(radii, "radii", at::kInt);
+    const int64_t n = means.size(0);
+    TORCH_CHECK(means.dim() == 2 && means.size(1) == 3, "means must be [N, 3]");
+    TORCH_CHECK(sh0.sizes() == at::IntArrayRef({n, 1, 3}), "sh0 must be [N, 1, 3]");
+    TORCH_CHECK(shN.dim() == 3 && shN.size(0) == n && shN.size(2) == 3, "shN must be [N, K, 3]");
+    TORCH_CHECK(degree >= 0 && degree <= 3, "SH degree must be in 0..3, got ", degree);
+    TORCH_CHECK(shN.size(1) >= (degree + 1) * (degree + 1) - 1, "shN holds too few coefficients for degree ", degree);
+    TORCH_CHECK(viewmat.numel() == 16 && radii.numel() == 2 * n, "viewmat [4, 4], radii [N, 2]");
+    ShColorArgs a{};
+    a.n = n;
+    a.degree = (int)degree;
+    a.rest = (int)shN.size(1);
+    a.means = means.data_ptr<float>();
+    a.sh0 = sh0.data_ptr<float>();
+    a.shN = shN.data_ptr<float>();
+    a.viewmat = viewmat.data_ptr<float>();
+    a.radii = radii.data_ptr<int>();
     return a;
 }
 
@@ -88,6 +118,37 @@ std::vector<at::Tensor> project_bwd(
                          v_scales.data_ptr<float>()};
     check_cuda(launch_project_bwd(a, g, c10::cuda::getCurrentCUDAStream().stream()), "projection backward");
     return {v_means, v_quats, v_scales};
+}
+
+// -> colours [1, N, 3]: max(SH + 0.5, 0) where both radii are > 0, else 0.5
+std::vector<at::Tensor> sh_colors_fwd(
+    const at::Tensor &means, const at::Tensor &sh0, const at::Tensor &shN, const at::Tensor &viewmat,
+    const at::Tensor &radii, int64_t degree
+) {
+    const c10::cuda::CUDAGuard guard(means.device());
+    const ShColorArgs a = make_sh_args(means, sh0, shN, viewmat, radii, degree);
+    at::Tensor colors = at::empty({1, a.n, 3}, means.options());
+    check_cuda(launch_sh_colors_fwd(a, colors.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()),
+               "SH colours forward");
+    return {colors};
+}
+
+// -> v_means [N, 3], v_sh0 [N, 1, 3], v_shN [N, K, 3] (every element written)
+std::vector<at::Tensor> sh_colors_bwd(
+    const at::Tensor &means, const at::Tensor &sh0, const at::Tensor &shN, const at::Tensor &viewmat,
+    const at::Tensor &radii, int64_t degree, const at::Tensor &v_colors
+) {
+    const c10::cuda::CUDAGuard guard(means.device());
+    const ShColorArgs a = make_sh_args(means, sh0, shN, viewmat, radii, degree);
+    check_tensor(v_colors, "v_colors", at::kFloat);
+    TORCH_CHECK(v_colors.numel() == 3 * a.n, "v_colors must hold N colours");
+    at::Tensor v_means = at::empty_like(means);
+    at::Tensor v_sh0 = at::empty_like(sh0);
+    at::Tensor v_shN = at::empty_like(shN);
+    const ShColorGrads g{v_colors.data_ptr<float>(), v_means.data_ptr<float>(), v_sh0.data_ptr<float>(),
+                         v_shN.data_ptr<float>()};
+    check_cuda(launch_sh_colors_bwd(a, g, c10::cuda::getCurrentCUDAStream().stream()), "SH colours backward");
+    return {v_means, v_sh0, v_shN};
 }
 
 } // namespace gstrain

@@ -1,0 +1,47 @@
+"""Colours from spherical harmonics in one CUDA kernel each way (csrc/sh_colors.cu).
+
+The same function as render/cuda.splat_colors through gsplat (max(SH(dirs) + 0.5, 0) for the
+visible Gaussians, dirs = mean - camera centre), without its pieces: the directions' tensor, the
+[N, 16, 3] concatenation of sh0 and shN, the mask, the add and the clamp, and in the backward the
+gradient's split and copies. sh0's and shN's gradients are written where they lie.
+tests/test_sh_colors_cuda.py compares it with gsplat's, forward and backward, at every degree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _ShColors(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor,
+                degree: int) -> Tensor:  # fmt: skip
+        from gstrain.render.cuda import ensure_built
+
+        (colors,) = ensure_built().sh_colors_fwd(means, sh0, shN, viewmat, radii, degree)
+        ctx.save_for_backward(means, sh0, shN, viewmat, radii)
+        ctx.degree = degree
+        return colors
+
+    @staticmethod
+    def backward(ctx: Any, v_colors: Tensor) -> tuple[Tensor | None, ...]:
+        from gstrain.render.cuda import ensure_built
+
+        means, sh0, shN, viewmat, radii = ctx.saved_tensors
+        v_means, v_sh0, v_shN = ensure_built().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
+                                                             v_colors.contiguous())  # fmt: skip
+        needs = ctx.needs_input_grad
+        return (v_means if needs[0] else None, v_sh0 if needs[1] else None, v_shN if needs[2] else None,
+                None, None, None)  # fmt: skip
+
+
+def sh_colors(means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor, degree: int) -> Tensor:
+    """Colours [1, N, 3] of N Gaussians seen through the world-to-camera viewmat [4, 4]: for those
+    with both radii [1, N, 2] > 0, max(SH_degree(normalize(mean - camera centre)) + 0.5, 0) with
+    sh0 [N, 1, 3] and shN [N, K, 3] as gsplat's coefficients 0 and 1..K; 0.5 for the others (whose
+    colour no pixel reads). Gradients flow to means, sh0 and shN."""
+    return _ShColors.apply(means.float().contiguous(), sh0.float().contiguous(), shN.float().contiguous(),
+                           viewmat.float().contiguous(), radii.int().contiguous(), int(degree))  # fmt: skip
