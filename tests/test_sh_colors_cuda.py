@@ -56,11 +56,13 @@ def _colours_and_grads(base, viewmat, radii, degree, how):
 @pytest.mark.parametrize("degree", [0, 1, 2, 3])
 def test_fused_sh_colours_equal_gsplats_and_the_reference(degree):
     base, viewmat, radii = _splats(degree)
+    seen = (radii > 0).all(-1)[0]
     fused = _colours_and_grads(base, viewmat, radii, degree, "fused")
     for how, tol in (("gsplat", 1e-5), ("reference", 2e-5)):
         colors, grads = _colours_and_grads(base, viewmat, radii, degree, how)
-        assert (colors == 0).any()  # the clamp is exercised
-        torch.testing.assert_close(fused[0], colors, atol=tol, rtol=tol, msg=how)
+        assert (colors[0, seen] == 0).any()  # the clamp is exercised
+        # gsplat leaves the masked Gaussians' colours unwritten: only the visible ones compare
+        torch.testing.assert_close(fused[0][0, seen], colors[0, seen], atol=tol, rtol=tol)
         for k, want in grads.items():
             got = fused[1][k]
             if k == "means" and degree == 0:  # no direction in the colour: no gradient at all
@@ -68,7 +70,7 @@ def test_fused_sh_colours_equal_gsplats_and_the_reference(degree):
                 continue
             err = float((got - want).norm() / want.norm())
             assert err < tol, (how, k, err)
-    hidden = ~(radii > 0).all(-1)[0]
+    hidden = ~seen
     assert hidden.any() and (fused[0][0, hidden] == 0.5).all()
     for k in base:  # invisible Gaussians: no gradient; shN above the degree: none either
         assert not fused[1][k][hidden].any(), k
