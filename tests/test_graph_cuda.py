@@ -18,11 +18,11 @@ from gstrain.train.trainer import Trainer
 pytestmark = pytest.mark.cuda
 
 
-def _trainer(scene, tmp_path, name: str, graphs: bool, mode: str = "warp") -> Trainer:
+def _trainer(scene, tmp_path, name: str, graphs: bool, mode: str = "warp", refine_start: int = 4) -> Trainer:
     cfg = build_config(overrides=[{
         "train": {"steps": 500, "cuda_graphs": graphs, "device": "cuda"},
         "render": {"atomic_mode": mode},
-        "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15},
+        "strategy": {"refine_start": refine_start, "refine_every": 10, "reset_every": 15},
     }])  # fmt: skip
     trainer = Trainer(cfg, scene, tmp_path / name, torch.device("cuda"), log=lambda m: None)
     trainer.timer.enabled = False  # the loop sets it per step (log.time_every); timed steps run eagerly
@@ -152,14 +152,9 @@ def _mixed_sizes(scene):
 
 
 def _eager_steps_on_the_canvas(monkeypatch, canvas: tuple[int, int]) -> None:
-    """Every eager step (both runs') as a canvas step: the view padded into the canvas, its size
-    on the device, as a graph step runs it. A canvas step equals the step at the view's own size
-    within float tolerance (test_sized_projection_cuda.py), but not bit for bit: the raster
-    backward's atomics add in another order on another grid, and Adam turns the rounding noise of
-    gradients that are zero in exact arithmetic into steps of +-lr, so over thirty steps with two
-    refinements the runs part by a few Gaussians. Against eager canvas steps, the graph machinery
-    (captures per capacity class, replays, redos, statistics rows) is checked as exactly as for
-    one image size."""
+    """Every eager step as a canvas step: the view padded into the canvas, its size on the device,
+    as a graph step runs it (a canvas step equals the step at the view's own size within float
+    tolerance: test_sized_projection_cuda.py)."""
     from dataclasses import replace
 
     from gstrain.render.isect import PairBudget
@@ -188,22 +183,17 @@ def _eager_steps_on_the_canvas(monkeypatch, canvas: tuple[int, int]) -> None:
     monkeypatch.setattr(StepRunner, "run", on_canvas)
 
 
-@pytest.mark.parametrize(("overflow", "mixed"), [(False, False), (True, False), (False, True), (True, True)])
-def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow, mixed):
+@pytest.mark.parametrize("overflow", [False, True])
+def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow):
     """Thirty steps with refinements (10, 20) and an opacity reset (15) between graph replays and
     recaptures, against a run with graphs off, from the same start; with `overflow` the first
     replays' pair buffers are too small, so settle() must redo them, and every seventh step is
-    timed (eager, and a redo before it captures with the timer off); with `mixed` the views come in
-    four sizes and the graph steps run on the canvas (one graph per capacity class), the eager
-    steps too (_eager_steps_on_the_canvas). Both runs draw the same random numbers (a split
-    samples positions)."""
+    timed (eager, and a redo before it captures with the timer off). Both runs draw the same
+    random numbers (a split samples positions)."""
     from gstrain.train import graph_step
     from gstrain.train.trainer import seed_everything
 
     scene = load_scene(demo_scene)
-    if mixed:
-        scene = _mixed_sizes(scene)
-        _eager_steps_on_the_canvas(monkeypatch, (64, 64))
     seed_everything(0)
     graphed = _trainer(scene, tmp_path, "g", graphs=True)
     seed_everything(0)
@@ -223,7 +213,7 @@ def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overfl
     g = graphed.graphs
     # epochs 1-9, 11-14, 16-19, 21-29: each captures on its first step
     assert g.captures >= 4 and g.views >= 20, g.summary()
-    assert (g.canvas is not None) == mixed and (g.canvas is None or g.canvas[:2] == (64, 64)), g.summary()
+    assert g.canvas is None, g.summary()  # one size (views of several: the canvas test below)
     assert sum(g.eager_steps.values()) + g.views == 30, g.summary()
     if overflow:
         assert g.redos >= 1 and g.eager_steps.get("timed") == 4, g.summary()
@@ -233,6 +223,56 @@ def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overfl
         q = eager.optimizers[name].param_groups[0]["params"][0]
         assert float(opt.state[p]["step"]) == float(eager.optimizers[name].state[q]["step"])
         assert opt.param_groups[0]["lr"] == eager.optimizers[name].param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_canvas_graph_steps_stay_as_close_as_two_eager_runs(demo_scene, tmp_path, monkeypatch, overflow):
+    """Views of four sizes: graph steps on the canvas (one graph per capacity class; with
+    `overflow`, redone at a grown capacity) against eager canvas steps, thirty steps with an
+    opacity reset (15) and no refinement. Two eager canvas runs from the same start part much
+    more than two eager runs at one size (on the H200 the quaternions by ~1.5e-2, the opacities by
+    ~8e-4, the losses by ~2e-6, against ~1e-6 and ~5e-8 at one size; the source is not found), and
+    a refinement then flips a Gaussian or two, so the graph run is held to that floor, measured
+    here with a second eager run: each step's loss, and every parameter at the end. A wiring
+    fault (a stale image, a wrong size or view, a lost or doubled Adam step) moves the losses and
+    the opacities far beyond it."""
+    from gstrain.train import graph_step
+    from gstrain.train.trainer import seed_everything
+
+    scene = _mixed_sizes(load_scene(demo_scene))
+    _eager_steps_on_the_canvas(monkeypatch, (64, 64))
+    runs = {}
+    for name, graphs in (("graph", True), ("eager", False), ("eager2", False)):
+        seed_everything(0)
+        runs[name] = _trainer(scene, tmp_path, name, graphs=graphs, refine_start=1000)
+    if overflow:
+        monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
+        monkeypatch.setattr(graph_step, "CAPACITY_MARGIN", 0.2)
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(30):
+        for name, run in runs.items():
+            torch.cuda.manual_seed(1000 + step)
+            run.step = step
+            loss = run.train_step(step)[0]
+            if run.graphs is not None:  # a replay's outputs are exact once settled (an overflow is redone)
+                redone = run.graphs.settle()
+                loss = redone.loss if redone is not None else loss
+            losses[name].append(float(loss))
+    g = runs["graph"].graphs
+    assert g.canvas is not None and g.canvas[:2] == (64, 64) and g.captures >= 2 and g.views >= 20, g.summary()
+    assert g.redos >= 1 or not overflow, g.summary()
+
+    def apart(a: str, b: str) -> dict[str, float]:
+        out = {"loss": max(abs(x - y) for x, y in zip(losses[a], losses[b], strict=True))}
+        for k, p in runs[b].params.items():
+            q = runs[a].params[k].detach()
+            assert q.shape == p.shape, k  # no refinement: the same Gaussians
+            out[k] = float((q - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
+        return out
+
+    floor, graph = apart("eager2", "eager"), apart("graph", "eager")
+    for key, err in graph.items():
+        assert err <= 10.0 * floor[key] + 1e-5, (key, err, floor[key])
 
 
 def test_fit_with_graphs_trains_resumes_and_reports(demo_scene, tmp_path):
