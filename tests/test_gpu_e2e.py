@@ -111,7 +111,8 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["switches"] is True
     assert list(report["median_ms"]) == ["all on", "gsplat raster", "conv SSIM", "torch Adam", "gsplat stats",
-                                         "no ellipse cull", "no CUDA graphs", "+ sparse Adam", "baseline"]
+                                         "no ellipse cull", "gsplat SH", "no CUDA graphs", "+ sparse Adam",
+                                         "baseline"]
     for label, med in report["median_ms"].items():
         assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
         assert 0 < med["peak_gib"] <= torch.cuda.get_device_properties(0).total_memory / 2**30, label
