@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gstrain.train.timing import timed_step
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -40,7 +42,7 @@ def _block(trainer, steps: int, progress_every: int, time_every: int, agree: boo
     _sync(trainer.device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        trainer.timer.enabled = trainer.step % time_every == 0
+        trainer.timer.enabled = timed_step(trainer.step, time_every)
         loss = trainer.train_step(trainer.step)[0]
         trainer.step += 1
         if trainer.step % progress_every == 0:

@@ -121,10 +121,11 @@ class RenderConfig:
 class LogConfig:
     progress_every: int = 25  # progress bar / NaN check cadence (each is one host sync)
     tb_every: int = 100  # TensorBoard scalars and per-phase timings
-    # time the phases of every Nth step (events cost host time; 1 = every step). A timed step runs
-    # eagerly, not as a CUDA graph (train.cuda_graphs), and waits for the queued replays first, so
-    # timing often slows the run: 197 keeps 152 samples in 30k steps (49 had 612). A prime: timed
-    # steps meet refinements (every 100) at their own rate
+    # time the phases of every Nth step from step N // 2 on (not the first step, which pays one-time
+    # costs; events cost host time; 1 = every step). A timed step runs eagerly, not as a CUDA graph
+    # (train.cuda_graphs), and waits for the queued replays first, so timing often slows the run:
+    # 197 keeps 152 samples in 30k steps (49 had 612). A prime: timed steps meet refinements (every
+    # 100) at their own rate
     time_every: int = 197
     eval_steps: list[int] = field(default_factory=lambda: [7000, 30_000])
     save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports

@@ -80,3 +80,13 @@ def test_untimed_steps_do_not_count(clock):
     summary = timer.summary()
     assert summary["a"] == pytest.approx(10.0)  # the mean of the two timed 10 ms steps, not of all eight
     assert timer.last_host_ms["a"] == summary["a"]  # on the CPU host time is the phase time
+
+
+@pytest.mark.parametrize("every", [1, 2, 7, 49, 197])
+def test_timed_steps_come_every_nth_step_and_skip_the_first(every):
+    steps = 30_000
+    timed = [s for s in range(steps) if timing.timed_step(s, every)]
+    assert all(b - a == every for a, b in zip(timed, timed[1:], strict=False))  # evenly spaced, every Nth
+    assert timed[0] < every  # the first comes within the first N steps ...
+    assert (0 in timed) == (every == 1)  # ... and is not step 0 (one-time costs) unless every step is timed
+    assert len(timed) in (steps // every, steps // every + 1)

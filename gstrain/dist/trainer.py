@@ -44,6 +44,7 @@ from gstrain.train.masking import masked_loss
 from gstrain.train.optim import current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows, shard_file
+from gstrain.train.timing import timed_step
 from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
 
 __all__ = ["DistTrainer"]
@@ -325,7 +326,7 @@ class DistTrainer(Trainer):
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not lead)
         with _Signals() as signals:
             while self.step < end:
-                self.timer.enabled = self.step % cfg.log.time_every == 0
+                self.timer.enabled = timed_step(self.step, cfg.log.time_every)
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step

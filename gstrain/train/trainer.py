@@ -29,7 +29,7 @@ from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _St
 from gstrain.train.step import BatchView, StepRunner
 from gstrain.train.strategies import build_strategy
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
-from gstrain.train.timing import PhaseTimer
+from gstrain.train.timing import PhaseTimer, timed_step
 
 __all__ = ["FitResult", "Trainer", "ViewSampler", "seed_everything"]
 
@@ -258,7 +258,7 @@ class Trainer:
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
         with _StopFlag() as stop:
             while self.step < end:
-                self.timer.enabled = self.step % cfg.log.time_every == 0
+                self.timer.enabled = timed_step(self.step, cfg.log.time_every)
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step

@@ -1,5 +1,6 @@
 // The per-Gaussian preprocessing's PyTorch entry points (project_bindings.cpp): the device-sized
-// projection and the fused SH colours, registered by bindings.cpp. Argument meanings are documented at the definitions.
+// projection and the fused SH colours, registered by bindings.cpp. Argument meanings are
+// documented at the definitions.
 #pragma once
 
 #include <torch/extension.h>

@@ -163,7 +163,8 @@ template <int D> __global__ void sh_colors_bwd_kernel(const ShColorArgs a, const
     if (D >= 1) {
         float s[16];
 #pragma unroll
-        for (int k = 1; k < kBases; ++k) s[k] = gc[0] * coeff(a, i, k, 0) + gc[1] * coeff(a, i, k, 1) + gc[2] * coeff(a, i, k, 2);
+        for (int k = 1; k < kBases; ++k)
+            s[k] = gc[0] * coeff(a, i, k, 0) + gc[1] * coeff(a, i, k, 1) + gc[2] * coeff(a, i, k, 2);
         basis_vjp<D>(u, s, vu);
         // through the normalisation: d u / d d = (I - u u^T) / |d|
         const float along = u[0] * vu[0] + u[1] * vu[1] + u[2] * vu[2];
