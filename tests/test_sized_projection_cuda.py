@@ -68,6 +68,38 @@ def test_sized_projection_equals_gsplats(size):
         assert err < 1e-5, (key, err)
 
 
+@pytest.mark.parametrize("identity", [True, False])
+def test_turning_a_sphere_has_no_gradient(identity):
+    """An isotropic Gaussian looks the same however it is turned, so its quaternion gradient is
+    zero: exactly so at the identity rotation (every Gaussian starts there; Adam makes any noise
+    left there a full learning-rate step), to rounding otherwise. Its scale and mean do get
+    gradients (the same upstream weights as above)."""
+    from gstrain.render.sized_projection import project_sized
+
+    K = torch.tensor([[50.0, 0, 30.5], [0, 52.0, 22.0], [0, 0, 1]], device="cuda")
+    viewmat = torch.eye(4, device="cuda")
+    viewmat[:3, :3] = torch.linalg.matrix_exp(torch.tensor([[0, -0.3, 0.2], [0.3, 0, -0.1], [-0.2, 0.1, 0]]))
+    viewmat[:3, 3] = torch.tensor([0.1, -0.2, 0.3])
+    base = _gaussians(4000, seed=5)
+    n = base["means"].shape[0]
+    quats = torch.tensor([[1.0, 0, 0, 0]]).repeat(n, 1) if identity else base["quats"]
+    p = {"means": base["means"], "quats": quats, "scales": base["scales"][:, :1].repeat(1, 3)}
+    p = {k: v.cuda().requires_grad_(True) for k, v in p.items()}
+    valid = torch.tensor([64, 48], dtype=torch.int32, device="cuda")
+    radii, m2d, depths, conics = project_sized(p["means"], p["quats"], p["scales"], viewmat, K, valid)
+    seen = (radii > 0).all(-1)[0]
+    assert int(seen.sum()) > 500
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w2, w3, w1 = (torch.randn(t.shape, generator=g, device="cuda") for t in (m2d, conics, depths))
+    ((m2d * w2).sum(-1) + (conics * w3).sum(-1) + depths * w1).sum().backward()
+    assert bool((p["scales"].grad[seen] != 0).all()) and bool((p["means"].grad[seen] != 0).all())
+    if identity:
+        assert int((p["quats"].grad != 0).any(-1).sum()) == 0
+    else:  # rounding, against the gradient a stretch gets (the same units: the loss per unit)
+        stretch = (p["scales"].grad * p["scales"]).detach()[seen].norm()
+        assert float(p["quats"].grad[seen].norm() / stretch) < 1e-5
+
+
 def _splats(scene):
     from gstrain.model import init_gaussians
 

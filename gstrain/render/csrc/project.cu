@@ -256,12 +256,16 @@ __global__ void __launch_bounds__(kProjectThreads) project_bwd_kernel(const Proj
             v_m.m[r][k] = acc;
         }
     const float *s = a.scales + 3 * i;
-    Mat3 vR; // dL/drot
+    // dL/drot. __fmul_rn keeps each product rounded on its own: contracted into the differences
+    // below (an FMA), G[2][1] - G[1][2] would leave the rounding error of one product where an
+    // isotropic Gaussian's true quaternion gradient is exactly zero, and Adam turns such noise
+    // into full learning-rate steps of random sign (gsplat's order gives exact zeros there)
+    Mat3 vR;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
         g.v_scales[3 * i + k] = p.rot.m[0][k] * v_m.m[0][k] + p.rot.m[1][k] * v_m.m[1][k] + p.rot.m[2][k] * v_m.m[2][k];
 #pragma unroll
-        for (int r = 0; r < 3; ++r) vR.m[r][k] = v_m.m[r][k] * s[k];
+        for (int r = 0; r < 3; ++r) vR.m[r][k] = __fmul_rn(v_m.m[r][k], s[k]);
     }
     // the rotation's derivative by the normalised quaternion, then through the normalisation
     const float W = p.qn[0], X = p.qn[1], Y = p.qn[2], Z = p.qn[3];
