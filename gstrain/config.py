@@ -119,7 +119,7 @@ class RenderConfig:
 
 @dataclass
 class LogConfig:
-    progress_every: int = 25  # progress bar / NaN check cadence (each is one host sync)
+    progress_every: int = 100  # progress bar / NaN check cadence (each is one host sync: it drains the GPU queue)
     tb_every: int = 100  # TensorBoard scalars and per-phase timings
     # time the phases of every Nth step from step N // 2 on (not the first step, which pays one-time
     # costs; events cost host time; 1 = every step). A timed step runs eagerly, not as a CUDA graph
