@@ -9,7 +9,10 @@ the same with the loss's valid size dropped; the same with gsplat's projection i
 (render/sized_projection.py); and graph against eager steps on the demo cropped to four sizes.
 Prints each pair's largest parameter difference relative to the parameter's largest value. Two
 runs of one path part only by the rounding of the raster backward's float atomics, so a path
-whose pair parts far more amplifies that noise somewhere. A development study, not a test.
+whose pair parts far more amplifies that noise somewhere. (It found one: until 8fa88a2 our
+projection's backward left rounding noise where an isotropic Gaussian's quaternion gradient is
+exactly zero, and Adam turned it into learning-rate-sized turns; docs/benchmarks.md.) A
+development study, not a test.
 """
 
 from __future__ import annotations
