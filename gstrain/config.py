@@ -113,7 +113,8 @@ class RenderConfig:
     ellipse_cull: bool = True
     # speed switch (our CUDA backend): the colours from the SH in one kernel each way
     # (gstrain/render/sh_colors.py) instead of gsplat's spherical_harmonics and the tensor ops
-    # around it (a [N, 16, 3] concatenation among them); the same function
+    # around it (a [N, 16, 3] concatenation among them); the same function. It saves memory and eager
+    # steps' launches; in graph steps it is level with gsplat's (docs/benchmarks.md)
     fused_sh: bool = True
 
 
