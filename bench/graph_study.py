@@ -78,7 +78,34 @@ def instrument(trainer: Trainer) -> dict[str, list[float]]:
 
     graphs.run, graphs.settle = timed_run, timed("settle", settle)
     trainer.evaluate_test = timed("evaluate_test", evaluate)
+    trainer.save, trainer.export_ply = timed("checkpoint", trainer.save), timed("export_ply", trainer.export_ply)
     return spent
+
+
+def timeline(trainer: Trainer, every: int = 100) -> list[float]:
+    """Wall ms per step over each window of `every` steps of the fit (what the user waits for,
+    everything included): where in the run the time goes."""
+    marks: list[float] = []
+    step_fn = trainer.train_step
+
+    def marked(step: int):
+        if step % every == 0:
+            marks.append(time.perf_counter())
+        return step_fn(step)
+
+    trainer.train_step = marked
+    return marks
+
+
+def set_constant(assignment: str) -> None:
+    """--const module.NAME=value: a module constant for this run (a study's knob, not a setting)."""
+    import importlib
+
+    target, value = assignment.split("=", 1)
+    module_name, name = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    old = getattr(module, name)
+    setattr(module, name, type(old)(value))
 
 
 def main() -> None:
@@ -91,19 +118,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/graph_study"))
     ap.add_argument("--fit-only", action="store_true", help="only the fit (with its host time by kind of step)")
     ap.add_argument("--capture-after", type=int, default=None, help="graph_step.CAPTURE_AFTER for this run")
+    ap.add_argument("--const", action="append", default=[], help="module.NAME=value for this run (repeatable)")
     args = ap.parse_args()
     torch.set_num_threads(4)
     if args.capture_after is not None:
         graph_step.CAPTURE_AFTER = args.capture_after
+    for assignment in args.const:
+        set_constant(assignment)
     overrides = [parse_override(s) for s in args.sets]
     cfg = build_config(overrides=[*overrides, {"train": {"steps": 30000, "stop_at": args.at}}])
     scene = load_scene(args.scene)
     trainer = Trainer(cfg, scene, args.out, torch.device("cuda"), log=lambda s: None)
     spent = instrument(trainer)
+    marks = timeline(trainer)
     t0 = time.perf_counter()
     trainer.fit()
     rows = {k: {"calls": n, "s": round(sec, 3), "ms_per": round(sec * 1e3 / n, 3)} for k, (n, sec) in spent.items()}
-    print(json.dumps({"fit_s": round(time.perf_counter() - t0, 3), "breakdown": rows}), flush=True)
+    print(json.dumps({"fit_s": round(time.perf_counter() - t0, 3), "breakdown": rows, "const": args.const,
+                      "sets": args.sets, "gaussians": len(trainer.params["means"]),
+                      "graphs": trainer.graphs.summary()}), flush=True)  # fmt: skip
+    windows = [round((b - a) * 10, 3) for a, b in zip(marks, marks[1:], strict=False)]  # ms per step over 100 steps
+    print(json.dumps({"window_ms_per_step": windows}), flush=True)
     if args.fit_only:
         return
     print(json.dumps({"trained_to": trainer.step, "seconds": round(time.perf_counter() - t0, 2),

@@ -209,7 +209,7 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
     # 5-8 again, in order, each with the trainer's step as it was then; then the count is back
     assert runs == [(s, s) for s in range(1, 9)] + [(s, s) for s in range(5, 9)] and t.step == 9
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8  # rewound by 4, advanced by 4
-    assert graphs.views == 8 and graphs.redos == 1 and not graphs.unsettled
+    assert graphs.views == 8 and graphs.redos == 1 and graphs.redone_steps == 4 and not graphs.unsettled
     assert int(graphs.budget.flag) == 0
     assert graphs.capacities[size] >= 3_000_000 and graphs.group_peak[size] == 3_000_000
     graphs.budget.flag.zero_()

@@ -19,14 +19,15 @@ pytestmark = pytest.mark.cuda
 N = 6000
 
 
-def _splats(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def _splats(seed: int, rest: int = 15) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Gaussians with SH large enough that some colours clamp at 0, a camera, and radii with a
-    fifth of the Gaussians invisible (one radius or both 0)."""
+    fifth of the Gaussians invisible (one radius or both 0). `rest`: shN's coefficients per
+    Gaussian (15 for degree 3; more leaves some above every degree)."""
     g = torch.Generator().manual_seed(seed)
     params = {
         "means": torch.randn(N, 3, generator=g) * 2.0,
         "sh0": torch.randn(N, 1, 3, generator=g) * 1.5,
-        "shN": torch.randn(N, 15, 3, generator=g) * 0.6,
+        "shN": torch.randn(N, rest, 3, generator=g) * 0.6,
     }
     viewmat = torch.eye(4)
     angle = torch.tensor(0.7)
@@ -55,9 +56,11 @@ def _colours_and_grads(base, viewmat, radii, degree, how):
                                       for k, v in p.items()}  # fmt: skip
 
 
-@pytest.mark.parametrize("degree", [0, 1, 2, 3])
-def test_fused_sh_colours_equal_gsplats_and_the_reference(degree):
-    base, viewmat, radii = _splats(degree)
+# N = 6000 is no multiple of the backward's block: its last block stages a partial slice; 19
+# coefficients make another row length (the backward stages rows through shared memory)
+@pytest.mark.parametrize(("degree", "rest"), [(0, 15), (1, 15), (2, 15), (3, 15), (1, 19), (3, 19)])
+def test_fused_sh_colours_equal_gsplats_and_the_reference(degree, rest):
+    base, viewmat, radii = _splats(degree, rest)
     seen = (radii > 0).all(-1)[0]
     fused = _colours_and_grads(base, viewmat, radii, degree, "fused")
     for how, tol in (("gsplat", 1e-5), ("reference", 2e-5)):
@@ -77,6 +80,14 @@ def test_fused_sh_colours_equal_gsplats_and_the_reference(degree):
     for k in base:  # invisible Gaussians: no gradient; shN above the degree: none either
         assert not fused[1][k][hidden].any(), k
     assert not fused[1]["shN"][:, (degree + 1) ** 2 - 1 :].any()
+
+
+def test_the_fused_sh_backward_refuses_more_coefficients_than_it_stages():
+    base, viewmat, radii = _splats(0, rest=129)
+    p = {k: v.clone().requires_grad_(True) for k, v in base.items()}
+    colors = splat_colors(p, viewmat, 3, radii, fused=True)
+    with pytest.raises(RuntimeError, match="at most 128 shN coefficients"):
+        colors.sum().backward()
 
 
 def test_a_render_with_fused_sh_equals_one_without():

@@ -133,6 +133,7 @@ class GraphSteps:
         self.views = 0  # settled graph steps: the views pair_sum counts
         self.captures = 0
         self.redos = 0
+        self.redone_steps = 0  # replays repeated by redos (the cost of an overflow)
         self.eager_steps: dict[str, int] = {}  # eager steps by reason (eager_reason)
 
     # ----------------------------------------------------------------- policy
@@ -366,6 +367,7 @@ class GraphSteps:
         grown = self._fit(most * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
         self.capacities[group] = max(grown, self._fit(self.capacities.get(group, 0) + CAPACITY_ROUND))
         self.redos += 1
+        self.redone_steps += len(redo)
         result, now = None, t.step
         try:
             for s, i in redo:
@@ -388,6 +390,7 @@ class GraphSteps:
         """For the run record: how the steps ran."""
         capacities = sorted(self.capacities.values())
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
+                "redone_steps": self.redone_steps,
                 "pair_capacity": {"groups": len(capacities), "max": capacities[-1] if capacities else 0,
                                   "median": capacities[len(capacities) // 2] if capacities else 0},
                 "canvas": list(self.canvas[:2]) if self.canvas is not None else None,

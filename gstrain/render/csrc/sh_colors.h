@@ -29,6 +29,10 @@ struct ShColorGrads {
     float *v_shN;          // [N, rest, 3]
 };
 
+// The most shN coefficients per Gaussian the backward takes (it stages at least a warp's rows,
+// 32 * 3 * rest floats, in 48 KiB of shared memory).
+constexpr int kShBwdMaxRest = 128;
+
 cudaError_t launch_sh_colors_fwd(const ShColorArgs &a, float *colors, cudaStream_t stream);
 cudaError_t launch_sh_colors_bwd(const ShColorArgs &a, const ShColorGrads &g, cudaStream_t stream);
 
