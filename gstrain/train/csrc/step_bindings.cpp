@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -17,6 +18,8 @@ void check_float_cuda(const at::Tensor &t, const char *name, const at::Device &d
     TORCH_CHECK(t.scalar_type() == at::kFloat, name, " has dtype ", t.scalar_type(), ", expected float32");
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
+
+bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 void check_cuda(cudaError_t err, const char *what) {
     TORCH_CHECK(err == cudaSuccess, "gstrain: ", what, " failed: ", cudaGetErrorString(err));
@@ -107,6 +110,7 @@ void adam_step(
             t.row = row > 0 ? row : 1;
             t.step_size = (float)step_sizes[i];
             t.inv_sqrt_bc2 = (float)inv_sqrt_bc2[i];
+            t.vec4 = aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
             batch.first_block[count + 1] = batch.first_block[count] + (numel + per_block - 1) / per_block;
         }
         batch.count = count;

@@ -22,6 +22,7 @@ struct AdamTensor {
     int64_t row;
     float step_size;    // lr / (1 - beta1^step)
     float inv_sqrt_bc2; // 1 / sqrt(1 - beta2^step)
+    bool vec4;          // all four arrays 16-byte aligned: the kernel moves float4s
 };
 
 struct AdamBatch {
