@@ -14,6 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# csrc/sh_colors.h kShBwdMaxRest: the backward stages at least a warp's shN rows in 48 KiB of
+# shared memory (degree 3 needs 15)
+MAX_REST = 128
+
 
 class _ShColors(torch.autograd.Function):
     @staticmethod
@@ -42,6 +46,9 @@ def sh_colors(means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: T
     """Colours [1, N, 3] of N Gaussians seen through the world-to-camera viewmat [4, 4]: for those
     with both radii [1, N, 2] > 0, max(SH_degree(normalize(mean - camera centre)) + 0.5, 0) with
     sh0 [N, 1, 3] and shN [N, K, 3] as gsplat's coefficients 0 and 1..K; 0.5 for the others (whose
-    colour no pixel reads). Gradients flow to means, sh0 and shN."""
+    colour no pixel reads). Gradients flow to means, sh0 and shN (K at most MAX_REST)."""
+    if shN.shape[1] > MAX_REST:
+        raise ValueError(f"the fused SH colours take at most {MAX_REST} shN coefficients per Gaussian, "
+                         f"got {shN.shape[1]}")  # fmt: skip
     return _ShColors.apply(means.float().contiguous(), sh0.float().contiguous(), shN.float().contiguous(),
                            viewmat.float().contiguous(), radii.int().contiguous(), int(degree))  # fmt: skip

@@ -142,8 +142,6 @@ std::vector<at::Tensor> sh_colors_bwd(
     const ShColorArgs a = make_sh_args(means, sh0, shN, viewmat, radii, degree);
     check_tensor(v_colors, "v_colors", at::kFloat);
     TORCH_CHECK(v_colors.numel() == 3 * a.n, "v_colors must hold N colours");
-    TORCH_CHECK(a.rest <= kShBwdMaxRest, "the fused SH backward takes at most ", kShBwdMaxRest,
-                " shN coefficients per Gaussian, got ", a.rest);
     at::Tensor v_means = at::empty_like(means);
     at::Tensor v_sh0 = at::empty_like(sh0);
     at::Tensor v_shN = at::empty_like(shN);
