@@ -305,3 +305,20 @@ def test_builds_without_cuda_is_one_line(capsys):
     assert builds.main(["gstrain"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("bench.builds: error: ") and "CUDA" in err[0]
+
+
+def test_graph_study_sets_a_module_constant_in_its_own_type(monkeypatch):
+    """--const module.NAME=value: the value is parsed as the constant's type (a float from '1e9',
+    an int from '3'), and an unknown name is an error, not a new attribute."""
+    from bench import graph_study
+    from gstrain import render
+    from gstrain.train import graph_step
+
+    monkeypatch.setattr(render, "RETUNE_CHANGE", render.RETUNE_CHANGE)  # restored after the test
+    monkeypatch.setattr(graph_step, "MAX_UNSETTLED", graph_step.MAX_UNSETTLED)
+    graph_study.set_constant("gstrain.render.RETUNE_CHANGE=1e9")
+    graph_study.set_constant("gstrain.train.graph_step.MAX_UNSETTLED=3")
+    assert render.RETUNE_CHANGE == 1e9 and isinstance(render.RETUNE_CHANGE, float)
+    assert graph_step.MAX_UNSETTLED == 3 and isinstance(graph_step.MAX_UNSETTLED, int)
+    with pytest.raises(AttributeError):
+        graph_study.set_constant("gstrain.render.NO_SUCH_CONSTANT=1")
