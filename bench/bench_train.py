@@ -10,6 +10,9 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
   gsplat-raster, conv-ssim, torch-adam, gsplat-stats, no-cull   gstrain with that one feature off
   sparse-adam   gstrain plus Adam over the visible Gaussians only
   no-cull       gstrain without render.ellipse_cull (the culled tile intersection; on by default)
+  issue19-off   gstrain with issue 19's switches off (ellipse cull, CUDA graph steps, fused SH colours):
+                how gstrain trained when issue 19 was filed, less the kernel changes that have no
+                switch and compute the same function (the quality side of that issue's paired study)
 
     python -m bench.bench_train SCENE --steps 7000 --seeds 0,1,2 --pipelines baseline,gstrain
     python -m bench.bench_train --report DIR[:P1+P2] [DIR ...] [--seeds 0,1,2]
@@ -57,6 +60,8 @@ PIPELINES = {
     "gsplat-stats": ["--set", "strategy.fast_stats=false"],
     "sparse-adam": ["--set", "optim.sparse_adam=true"],
     "no-cull": ["--set", "render.ellipse_cull=false"],
+    "issue19-off": ["--atomic-mode", "arc", "--set", "render.ellipse_cull=false", "--set", "train.cuda_graphs=false",
+                    "--set", "render.fused_sh=false"],
 }
 
 # Every pipeline scores all training views after its loop (outside the timed part): a view the
