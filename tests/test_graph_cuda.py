@@ -129,16 +129,34 @@ def test_adam_device_scalars_and_skip_flag():
         assert torch.equal(params[k], before[k]) and float(opts[k].state[params[k]]["step"]) == 4
 
 
+# Two runs of the very same eager steps part here too. bench/graph_twins.py (H200, 1f3c5a9) saw it
+# in 2 of 6 eager-vs-eager pairs of these 30 steps: quaternions 7.9e-4 and 8.8e-4 apart (their
+# learning rate is 1e-3), from step 11, right after the refinement at step 10; graph vs eager
+# pairs showed the same (3 of 6, at most 1.1e-3), graph vs graph too (1 of 6), and every other
+# parameter stayed within 3e-5. Likely (not traced to the Gaussian): float atomics leave a new
+# Gaussian, whose fresh moments make its first Adam step lr * sign(g), a gradient of the other
+# sign or none. So a few rows may part by up to about a learning rate; a graph defect (a lost or
+# doubled Adam step, a stale view or image) moves nearly every drawn Gaussian past `tol`.
+STRAY_ROWS = 0.01  # the share of Gaussians allowed past `tol`
+STRAY_BOUND = 1e-2  # and no row past this, relative to the parameter's largest value
+
+
 def _same_model(a: Trainer, b: Trainer, tol: float) -> None:
+    def check(name: str, x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
+        assert x.shape == y.shape, name
+        rows = ((x - y).abs().reshape(len(x), -1).amax(1) / scale) if len(x) else x.new_zeros(0)
+        far = int((rows >= tol).sum())
+        worst = float(rows.max()) if len(rows) else 0.0
+        assert far <= STRAY_ROWS * len(rows) and worst < STRAY_BOUND, (name, far, len(rows), worst)
+
     for k in a.params:
         x, y = a.params[k].detach(), b.params[k].detach()
-        assert x.shape == y.shape, k
-        err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
-        assert err < tol, (k, err)
+        check(k, x, y, float(y.abs().max().clamp_min(1e-12)))
     for k in a.strategy.state:
         x, y = a.strategy.state[k], b.strategy.state[k]
         if torch.is_tensor(x):
-            assert float((x - y).abs().max()) <= tol * float(y.abs().max().clamp_min(1.0)), k
+            check(k, x.float().reshape(-1, *x.shape[1:]), y.float().reshape(-1, *y.shape[1:]),
+                  float(y.abs().max().clamp_min(1.0)))  # fmt: skip
 
 
 def _mixed_sizes(scene):
