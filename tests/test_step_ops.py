@@ -118,6 +118,7 @@ def _step_both(fused, ours, ours_opt, ref, ref_opt, seed: int, visible: torch.Te
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()  # parameters: float() of a grad-tracking tensor warns
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
