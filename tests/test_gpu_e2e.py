@@ -50,7 +50,7 @@ def test_modes_agree_on_a_training_step(demo_scene):
     gt = view.image.cuda().float() / 255
     grads, losses = {}, {}
     # every mode, gsplat's rasterizer included, against the pure-PyTorch reference renderer in
-    # float64 (as tests/test_cuda_raster.py does; float32 projection adds its own rounding)
+    # float64 (as tests/test_cuda_render.py does; float32 projection adds its own rounding)
     for mode in ("reference", "atomic", "warp", "distwar", "arc", "gsplat"):
         # gsplat's rasterizer is the render.backend=gsplat; the others are our backward's reductions
         render = {"backend": mode} if mode in ("reference", "gsplat") else {"backend": "cuda", "atomic_mode": mode}
