@@ -141,22 +141,28 @@ def _masked_text(metrics: dict) -> str:
 @app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
-    format: Annotated[str, typer.Option("--format", help="Export format: ply | splat | ply-compressed.")] = "ply",
+    format: Annotated[str | None, typer.Option(
+        "--format", help="Export format: ply | splat | ply-compressed (default: from --out's extension, else ply)."
+    )] = None,
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing --out file (never a run's checkpoints or records)."
+    )] = False,
     allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
     """Export the latest checkpoint's Gaussians for viewers (3DGS PLY, .splat, compressed PLY)."""
-    from gstrain.files import check_replaceable
-    from gstrain.formats import check_format, default_export_name, export_gaussians
-    from gstrain.run_dir import open_run
+    from gstrain.files import check_new_or_forced
+    from gstrain.formats import default_export_name, export_format, export_gaussians
+    from gstrain.run_dir import check_not_run_record, open_run
 
-    check_format(format)
-    if out is not None:
-        check_replaceable(out)  # before any work: a link or device is refused, never replaced
+    fmt = export_format(out, format)
+    if out is not None:  # before any work: a user's file, a link, a run's own records are never replaced
+        check_not_run_record(out)
+        check_new_or_forced(out, force, ours=run / "point_cloud")
     opened = open_run(run, allow_older=allow_older_checkpoint, log=_log, load_views=False, renderer=False)
-    path = out or run / "point_cloud" / f"iteration_{opened.step}" / default_export_name(format)
-    count = export_gaussians(opened.params, path, format)
-    print(f"wrote {count} Gaussians (step {opened.step}, {format}) to {path}")
+    path = out or run / "point_cloud" / f"iteration_{opened.step}" / default_export_name(fmt)
+    count = export_gaussians(opened.params, path, fmt)
+    print(f"wrote {count} Gaussians (step {opened.step}, {fmt}) to {path}")
 
 
 @app.command()
@@ -208,13 +214,16 @@ def demo_scene(
     masks: Annotated[bool, typer.Option(
         "--masks", help="Paint a moving magenta distractor into the training views and write masks/ for it."
     )] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an earlier demo scene in OUT (only the files its demo-scene.json lists)."
+    )] = False,
 ) -> None:
     """Write the embedded synthetic demo scene as a real COLMAP scene (images/ + sparse/0)."""
     from gstrain.data.demo import write_demo_scene
 
     if views < 2 or size < 16:
         raise UserError("demo-scene needs --views >= 2 and --size >= 16")
-    write_demo_scene(out, n_views=views, width=size, height=size, masks=masks)
+    write_demo_scene(out, n_views=views, width=size, height=size, masks=masks, force=force)
     extra = ", with a masked distractor" if masks else ""
     print(f"wrote demo scene ({views} views, {size}x{size}{extra}) to {out}")
 
@@ -230,7 +239,9 @@ def sfm(
         str, typer.Option(help="exhaustive (any photo set) | sequential (video frames, in name order).")
     ] = "exhaustive",
     max_size: Annotated[int, typer.Option(help="Longest image side (px) for features and output.")] = 1600,
-    force: Annotated[bool, typer.Option("--force", help="Replace SCENE if it holds another scene.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an earlier gstrain sfm scene in SCENE (only the files its sfm.json lists)."
+    )] = False,
 ) -> None:
     """Structure-from-motion with COLMAP (pycolmap): photos -> an undistorted, posed scene."""
     from gstrain.sfm import run_sfm

@@ -29,7 +29,7 @@ def evaluate_run(
     import imageio.v3 as iio
 
     from gstrain.files import make_dir, write_text_atomic
-    from gstrain.run_dir import open_run
+    from gstrain.run_dir import METRICS_FILE, open_run
 
     run = open_run(run_dir, device, allow_older=allow_older, log=log)
     scene, dev, renderer, params, state = run.scene, run.device, run.renderer, run.params, run.state
@@ -66,5 +66,5 @@ def evaluate_run(
             for v, row in zip(scene.test, summary["per_image"], strict=True)
         ],
     }
-    write_text_atomic(run_dir / "metrics.json", json.dumps(result, indent=2))
+    write_text_atomic(run_dir / METRICS_FILE, json.dumps(result, indent=2))
     return result

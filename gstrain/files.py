@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -44,14 +44,54 @@ def check_replaceable(path: Path) -> None:
         raise UserError(f"{path} is not a regular file (a device or pipe); gstrain will not replace it")
 
 
+def check_new_or_forced(path: Path, force: bool, ours: Path | None = None) -> None:
+    """Refuse to replace an existing file without `force`, unless it lies under `ours` (a folder
+    that holds only what gstrain wrote, such as a run's renders/); links and devices: never."""
+    check_replaceable(path)
+    if not os.path.lexists(path) or force:
+        return
+    if ours is not None and is_within(path, ours):
+        return
+    raise UserError(f"--out {path} exists; pass --force to replace it, or choose another name")
+
+
+def is_within(path: Path, folder: Path) -> bool:
+    """Whether path lies somewhere under folder (links in their parents resolved)."""
+    parent = Path(path).parent.resolve()
+    base = Path(folder).resolve()
+    return parent == base or base in parent.parents
+
+
+def create_beside(path: Path, suffix: str = ".tmp") -> tuple[int, Path]:
+    """A new, empty temp file in path's folder, opened for writing: (fd, its path).
+
+    Its mode is what open() would give `path`: an existing target's permission bits (replacing
+    a file keeps them), else 0666 minus the umask. mkstemp's 0600 would hide every output from
+    the user's group and other readers.
+    """
+    try:
+        keep = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        keep = None
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{suffix}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        except FileExistsError:
+            continue
+        if keep is not None:
+            os.fchmod(fd, keep)
+        return fd, tmp
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """write(fh) into a temp file beside `path`, fsync, rename over it. OSError -> one-line UserError."""
     path = Path(path)
     check_replaceable(path)
-    tmp: str | None = None
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = create_beside(path)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

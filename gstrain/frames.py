@@ -12,20 +12,20 @@ import tempfile
 from pathlib import Path
 
 from gstrain.errors import UserError
-from gstrain.files import check_replaceable, make_dir, os_error_text, write_text_atomic
+from gstrain.files import check_new_or_forced, make_dir, os_error_text, write_text_atomic
+from gstrain.run_dir import check_not_run_record
 
 FRAMES_MANIFEST = ".gstrain-frames.json"  # the PNGs a render wrote into a folder: all --force may remove
 
 
 def check_output(out: Path, is_video: bool, force: bool, ours: Path) -> None:
-    """Refuse an output that would replace files gstrain did not write; then check it is writable."""
+    """Refuse an output that would replace files gstrain did not write, or land among a run's
+    records (its checkpoints, config); then check it is writable."""
+    check_not_run_record(out)
     if is_video:
         if out.is_dir():
             raise UserError(f"--out {out} is a folder; give a FILE.mp4 path")
-        check_replaceable(out)
-        inside_run = out.parent.resolve() == ours.resolve()
-        if out.exists() and not force and not inside_run:
-            raise UserError(f"--out {out} exists; pass --force to replace it, or choose another name")
+        check_new_or_forced(out, force, ours=ours)
         folder = out.parent
     else:
         if out.exists() and not out.is_dir():

@@ -28,6 +28,7 @@ from gstrain.errors import UserError
 from gstrain.files import make_dir, write_text_atomic
 from gstrain.render.sh import sh_degree_at
 from gstrain.train.checkpoint import find_checkpoint, list_checkpoints, set_aside
+from gstrain.train.run_record import SUMMARY_FILE
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
     from gstrain.render import Renderer
 
 RUN_FILE = "run.json"
+METRICS_FILE = "metrics.json"  # written by gstrain eval
+CONFIG_FILE = "config.yaml"
+# What a run folder records about itself: no output of gstrain (an export, a render) may land on
+# these files or inside these folders, even with --force; losing them loses the run.
+RECORD_FILES = (CONFIG_FILE, RUN_FILE, SUMMARY_FILE, METRICS_FILE)
+RECORD_FOLDERS = ("ckpt", "tb")
 
 
 def default_run_dir(scene: Path, runs_root: Path = Path("runs")) -> Path:
@@ -50,6 +57,17 @@ def default_run_dir(scene: Path, runs_root: Path = Path("runs")) -> Path:
 
 def is_run_dir(path: Path) -> bool:
     return (path / RUN_FILE).is_file()
+
+
+def check_not_run_record(path: Path) -> None:
+    """Refuse an output path inside a run's ckpt/ or tb/, or on one of its record files."""
+    target = Path(path).parent.resolve() / Path(path).name
+    if target.name in RECORD_FILES and is_run_dir(target.parent):
+        raise UserError(f"--out {path} is the run record {target.name} of {target.parent}; choose another path")
+    for folder in target.parents:
+        if folder.name in RECORD_FOLDERS and is_run_dir(folder.parent):
+            raise UserError(f"--out {path} is inside the {folder.name}/ folder of the run {folder.parent}, "
+                            "which holds what the run needs; choose another path")
 
 
 def check_new_run_dir(run_dir: Path) -> bool:
@@ -72,7 +90,7 @@ def check_new_run_dir(run_dir: Path) -> bool:
 def create_run_dir(run_dir: Path, scene: Path, cfg: Config) -> None:
     check_new_run_dir(run_dir)
     make_dir(run_dir)
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / CONFIG_FILE)
     meta = {"scene": str(scene.resolve()), "created": time.strftime("%Y-%m-%d %H:%M:%S"), "gstrain": __version__}
     write_text_atomic(run_dir / RUN_FILE, json.dumps(meta, indent=2))
 
@@ -84,7 +102,7 @@ def load_run(run_dir: Path) -> tuple[Config, dict[str, Any]]:
     if not is_run_dir(run_dir):
         raise UserError(f"{run_dir} is not a gstrain run (no {RUN_FILE}); train one with: gstrain fit SCENE")
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        data = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
         meta = json.loads((run_dir / RUN_FILE).read_text())
     except (OSError, yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{run_dir}: cannot read config.yaml / {RUN_FILE}: {exc}") from None
@@ -105,7 +123,7 @@ def run_scene(run_dir: Path, meta: dict[str, Any]) -> Path:
 
 
 def update_run_config(run_dir: Path, cfg: Config) -> None:
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / CONFIG_FILE)
 
 
 # ------------------------------------------------------------------------------------- resume

@@ -3,17 +3,16 @@
 Stages: SIFT feature extraction, matching (exhaustive or sequential), incremental mapping (the
 largest model is kept when mapping splits), undistortion. Everything happens in a temporary
 workspace next to SCENE_DIR; only a finished scene replaces it, so a failed run leaves nothing
-half-written. SCENE_DIR gets images/, sparse/0/ and sfm.json (the manifest that lets a re-run
-on the same photos replace our own earlier output without --force).
+half-written. SCENE_DIR gets images/, sparse/0/ and sfm.json (the manifest of the photos and of
+every file written: a re-run on the same photos replaces those files without --force, another
+scene needs --force, and a file gstrain did not write is never replaced; gstrain.scene_folder).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from typing import Any
 
 from gstrain import __version__
 from gstrain.errors import UserError
+from gstrain.scene_folder import check_replace, install, workspace, write_manifest
 
 MANIFEST = "sfm.json"
 MATCHERS = ("exhaustive", "sequential")
@@ -95,14 +95,51 @@ def run_sfm(
     if len(readable) < 2:
         raise UserError(f"SfM needs at least 2 photos, {photos} has {len(readable)} readable one(s)")
     manifest_photos = [{"name": p.name, "bytes": p.stat().st_size} for p in readable]
-    replacing = _check_output(scene, manifest_photos, force)
+    same = is_same_sfm_output(scene, manifest_photos)
+    replacing = check_replace(scene, MANIFEST, "scene", force, same=same, legacy=_legacy_files)
 
-    try:
-        scene.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{scene.name}.sfm-", dir=scene.parent))
-    except OSError as exc:
-        raise UserError(f"cannot write to the output folder {scene}: {exc.strerror or exc}") from None
     names = [p.name for p in readable]
+    with workspace(scene, "sfm") as work:
+        registered, n_points, error, models = _reconstruct(
+            pycolmap, photos, names, sizes, work, model, matcher, max_size, notes, log)
+        try:
+            result = work / "scene"
+            (result / "sparse").mkdir(parents=True)
+            os.replace(work / "undistorted" / "images", result / "images")
+            os.replace(work / "undistorted" / "sparse", result / "sparse" / "0")
+            record: dict[str, Any] = {
+                "gstrain": __version__,
+                "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "photos_dir": str(photos.resolve()),
+                "photos": manifest_photos,
+                "camera_model": model,
+                "matcher": matcher,
+                "max_size": max_size,
+                "registered": registered,
+                "points": n_points,
+                "reprojection_error": error,
+            }
+            write_manifest(result, MANIFEST, record)
+            install(result, scene, MANIFEST, work / "previous", "scene", legacy=_legacy_files)
+        except OSError as exc:
+            raise UserError(f"SfM could not write its output next to {scene}: {exc.strerror or exc}") from None
+
+    if replacing:
+        notes.append(f"replaced the earlier scene in {scene} (only the files listed in its {MANIFEST})")
+    for note in notes:
+        log(f"gstrain: sfm: {note}")
+    return SfmReport(
+        scene_dir=scene, num_photos=len(names), num_registered=registered, num_points=n_points,
+        reprojection_error=error, num_models=len(models), camera_model=model,
+        seconds=time.perf_counter() - start, notes=notes,
+    )  # fmt: skip
+
+
+def _reconstruct(pycolmap: Any, photos: Path, names: list[str], sizes: list[tuple[int, int]], work: Path,
+                 model: str, matcher: str, max_size: int, notes: list[str],
+                 log: Callable[[str], None]) -> tuple[int, int, float, list[Any]]:
+    """The four SfM stages in work/; the undistorted scene lands in work/undistorted.
+    Returns (registered images, points, mean reprojection error, every model mapping made)."""
     try:
         with _quiet_colmap(pycolmap):
             db = work / "database.db"
@@ -175,39 +212,9 @@ def run_sfm(
             undistort = pycolmap.UndistortCameraOptions()
             undistort.max_image_size = max_size
             pycolmap.undistort_images(undistorted, model_dir, photos, undistort_options=undistort)
-
-        result = work / "scene"
-        (result / "sparse").mkdir(parents=True)
-        os.replace(undistorted / "images", result / "images")
-        os.replace(undistorted / "sparse", result / "sparse" / "0")
-        manifest: dict[str, Any] = {
-            "gstrain": __version__,
-            "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "photos_dir": str(photos.resolve()),
-            "photos": manifest_photos,
-            "camera_model": model,
-            "matcher": matcher,
-            "max_size": max_size,
-            "registered": registered,
-            "points": n_points,
-            "reprojection_error": error,
-        }
-        (result / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        _install(result, scene, work)
     except OSError as exc:
-        raise UserError(f"SfM could not write its output next to {scene}: {exc.strerror or exc}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-    if replacing:
-        notes.append(f"replaced the previous contents of {scene}")
-    for note in notes:
-        log(f"gstrain: sfm: {note}")
-    return SfmReport(
-        scene_dir=scene, num_photos=len(names), num_registered=registered, num_points=n_points,
-        reprojection_error=error, num_models=len(models), camera_model=model,
-        seconds=time.perf_counter() - start, notes=notes,
-    )  # fmt: skip
+        raise UserError(f"SfM could not write its workspace {work}: {exc.strerror or exc}") from None
+    return registered, n_points, error, models
 
 
 def _stage(log: Callable[[str], None], i: int, text: str) -> None:
@@ -230,17 +237,6 @@ def _readable_photos(files: list[Path]) -> tuple[list[Path], list[tuple[int, int
         readable.append(file)
         sizes.append(size)
     return readable, sizes, bad
-
-
-def _check_output(scene: Path, photos: list[dict[str, Any]], force: bool) -> bool:
-    """Whether scene already has contents we will replace; UserError if they are someone else's."""
-    if scene.exists() and not scene.is_dir():
-        raise UserError(f"output path exists and is not a folder: {scene}")
-    if not scene.exists() or not any(scene.iterdir()):
-        return False
-    if force or is_same_sfm_output(scene, photos):
-        return True
-    raise UserError(f"{scene} already holds a different scene; pass --force to replace it, or pick another")
 
 
 def is_same_sfm_output(scene: Path, photos: list[dict[str, Any]]) -> bool:
@@ -273,11 +269,14 @@ def _map(pycolmap: Any, db: Path, photos: Path, out: Path, n_images: int) -> lis
     return list(recs.values())
 
 
-def _install(result: Path, scene: Path, work: Path) -> None:
-    """Swap the finished scene into place; the old contents move into the workspace (deleted later)."""
-    if scene.exists():
-        os.replace(scene, work / "previous")
-    os.replace(result, scene)
+def _legacy_files(manifest: dict[str, Any]) -> list[str]:
+    """What gstrain sfm wrote before sfm.json listed its files: the undistorted photos under their
+    own names, and the model."""
+    photos = manifest.get("photos")
+    names = [p["name"] for p in photos if isinstance(p, dict) and isinstance(p.get("name"), str)] \
+        if isinstance(photos, list) else []
+    model = [f"sparse/0/{m}.bin" for m in ("cameras", "images", "points3D", "rigs", "frames")]
+    return [f"images/{n}" for n in names] + model
 
 
 @contextmanager

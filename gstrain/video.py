@@ -6,7 +6,6 @@ normalised by robust percentiles.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 
 from gstrain.camera_paths import PATHS, Camera, camera_path, parse_size, scale_camera
 from gstrain.errors import UserError
+from gstrain.files import create_beside
 from gstrain.frames import check_output, start_frames
 
 if TYPE_CHECKING:
@@ -222,9 +222,8 @@ def _write_frames(
             imageio.imwrite(out / name, to_image(cam))
         return
     # Write next to the target and rename at the end: an interrupted render leaves no broken file.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=VIDEO_SUFFIX, dir=out.parent)
+    fd, tmp = create_beside(out, suffix=VIDEO_SUFFIX)  # the mode open() would give, not mkstemp's 0600
     os.close(fd)
-    tmp = Path(tmp_name)
     try:
         writer = imageio.get_writer(
             tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",

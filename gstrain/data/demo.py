@@ -13,13 +13,16 @@ have no mask file, so held-out scores measure whether the distractor leaked into
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pycolmap
 from PIL import Image
 
+from gstrain import __version__
 from gstrain.errors import UserError
+from gstrain.scene_folder import check_replace, install, workspace, write_manifest
 
 SPHERE_RADIUS = 1.0  # centred at the origin; world z is up
 DISC_Z = -1.0  # the sphere rests on the disc
@@ -33,23 +36,40 @@ _SUPERSAMPLE = 2  # per axis, so edges are antialiased like a real photo
 DISTRACTOR_RGB = (255, 0, 255)
 DISTRACTOR_RADIUS = 0.16  # of the image's smaller side
 DISTRACTOR_FREE_EVERY = 8
+MANIFEST = "demo-scene.json"  # every file the demo scene wrote: all that --force may replace
 
 
 def write_demo_scene(
     out_dir: str | Path, n_views: int = 32, width: int = 128, height: int = 128, seed: int = 0,
-    masks: bool = False,
+    masks: bool = False, force: bool = False,
 ) -> Path:
     """Write out_dir/images/*.png and out_dir/sparse/0/*.bin (a COLMAP scene) and return out_dir.
 
     masks: also paint the moving distractor and write out_dir/masks/*.png (module docstring).
+    out_dir must be new or empty, or (with force) hold an earlier demo scene: then only the
+    files its demo-scene.json lists are replaced (gstrain.scene_folder).
     """
     out = Path(out_dir)
     if n_views < 2 or width < 8 or height < 8:
         raise UserError(f"demo scene needs >= 2 views of >= 8x8 pixels, got {n_views} of {width}x{height}")
-    if out.exists() and not out.is_dir():
+    if os.path.lexists(out) and not out.is_dir():
         raise UserError(f"demo scene output is not a directory: {out}")
-    rng = np.random.default_rng(seed)
+    check_replace(out, MANIFEST, "demo scene", force)
+    with workspace(out, "demo") as work:
+        result = work / "scene"
+        _write_scene(result, n_views, width, height, seed, masks)
+        record = {"gstrain": __version__, "views": n_views, "width": width, "height": height, "seed": seed,
+                  "masks": masks}
+        try:
+            write_manifest(result, MANIFEST, record)
+            install(result, out, MANIFEST, work / "previous", "demo scene")
+        except OSError as exc:
+            raise UserError(f"cannot write the demo scene to {out}: {exc.strerror or exc}") from None
+    return out
 
+
+def _write_scene(out: Path, n_views: int, width: int, height: int, seed: int, masks: bool) -> None:
+    rng = np.random.default_rng(seed)
     focal = 0.5 * width / np.tan(np.radians(FOV_DEG) / 2)
     K = np.array([[focal, 0, width / 2], [0, focal, height / 2], [0, 0, 1.0]])
     poses = [_look_at(center) for center in _camera_centers(n_views)]
@@ -70,7 +90,6 @@ def write_demo_scene(
     points, colors = _sample_surface(rng)
     rec = _build_reconstruction(names, poses, K, width, height, points, colors)
     rec.write(str(model_dir))
-    return out
 
 
 def _paint_distractor(pixels: np.ndarray, index: int) -> np.ndarray:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gstrain.formats import finite_rows
+
 SH_C0 = 0.28209479177387814
 THUMBNAIL_SIDE = 96  # longest side of the images shown on the frustums
 
@@ -24,7 +26,7 @@ def splat_arrays(params: Mapping[str, Tensor]) -> dict[str, np.ndarray]:
     """
     with torch.no_grad():
         p = {k: params[k].detach().to("cpu", torch.float32) for k in ("means", "scales", "quats", "opacities", "sh0")}
-        finite = torch.stack([torch.isfinite(v.reshape(len(v), -1)).all(1) for v in p.values()]).all(0)
+        finite = finite_rows(p.values())
         p = {k: v[finite] for k, v in p.items()}
         q = torch.nn.functional.normalize(p["quats"], dim=1)
         w, x, y, z = q.unbind(1)

@@ -59,6 +59,8 @@ def serve_run(run: Path, host: str = "127.0.0.1", port: int = 8080, log=print) -
     from gstrain.viewer.run_info import load_run_info
 
     info = load_run_info(run, log=log)
+    if len(info.params["means"]) == 0:  # an empty page would look like a viewer fault
+        raise UserError(f"nothing to show: the checkpoint of {run} (step {info.step}) holds 0 Gaussians")
     server = start_server(host, port)
     try:
         page = ViewerPage(server, info.cfg, info.scene, resolve_device("auto"))
