@@ -107,10 +107,10 @@ def test_export_refuses_links_devices_and_unwritable_paths(run_copy: Path, tmp_p
     blocker.write_text("a file where a folder should be")
     assert_one_error(*call_cli("export", run_copy, "--out", blocker / "x.ply"), "cannot write")
 
-    # a regular file is replaced, through a temp file in its folder (nothing left beside it)
+    # with --force a regular file is replaced, through a temp file in its folder (nothing left beside it)
     out = tmp_path / "out.ply"
     out.write_bytes(b"an older export")
-    code, err = call_cli("export", run_copy, "--out", out)
+    code, err = call_cli("export", run_copy, "--out", out, "--force")
     assert code == 0, err
     from gstrain.model import load_ply
 

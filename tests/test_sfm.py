@@ -124,14 +124,23 @@ def test_rerun_same_photos_replaces_but_other_scene_needs_force(photos: Path, tm
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("someone else's work")
-    assert_user_error(run_cli("sfm", photos, other), "already holds", "--force")
+    for force in ([], ["--force"]):  # not gstrain's: refused, and named, even with --force
+        assert_user_error(run_cli("sfm", photos, other, *force), "did not write", "notes.txt")
     assert (other / "notes.txt").read_text() == "someone else's work"  # untouched
 
-    forced = run_cli("sfm", photos, other, "--force", "--camera-model", "pinhole", "--max-size", "128")
+    # beside our own scene, the user's notes survive a --force that replaces the scene
+    (scene / "notes.txt").write_text("the user's notes")
+    fewer = tmp_path / "fewer"
+    fewer.mkdir()
+    for p in sorted(photos.iterdir())[:-2]:
+        (fewer / p.name).write_bytes(p.read_bytes())
+    assert_user_error(run_cli("sfm", fewer, scene), "earlier scene", "--force")
+    forced = run_cli("sfm", fewer, scene, "--force", "--camera-model", "pinhole", "--max-size", "128")
     assert forced.returncode == 0, forced.stderr
-    assert not (other / "notes.txt").exists()
-    rec = _registered(other)
+    assert (scene / "notes.txt").read_text() == "the user's notes"
+    rec = _registered(scene)
     assert max(max(c.width, c.height) for c in rec.cameras.values()) <= 128
+    assert {p.name for p in (scene / "images").iterdir()} == {im.name for im in rec.images.values()}
 
 
 def test_no_readable_photos(tmp_path: Path) -> None:
