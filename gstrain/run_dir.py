@@ -63,11 +63,12 @@ def check_not_run_record(path: Path) -> None:
     """Refuse an output path inside a run's ckpt/ or tb/, or on one of its record files."""
     target = Path(path).parent.resolve() / Path(path).name
     if target.name in RECORD_FILES and is_run_dir(target.parent):
-        raise UserError(f"--out {path} is the run record {target.name} of {target.parent}; choose another path")
+        raise UserError(f"--out {path} is the {target.name} of the run {target.parent}, which gstrain never "
+                        "replaces (not even with --force); choose another path")
     for folder in target.parents:
         if folder.name in RECORD_FOLDERS and is_run_dir(folder.parent):
-            raise UserError(f"--out {path} is inside the {folder.name}/ folder of the run {folder.parent}, "
-                            "which holds what the run needs; choose another path")
+            raise UserError(f"--out {path} is inside the {folder.name}/ folder of the run {folder.parent}, where "
+                            "gstrain writes nothing else (not even with --force); choose another path")
 
 
 def check_new_run_dir(run_dir: Path) -> bool:
