@@ -83,8 +83,8 @@ def check_replace(folder: Path, manifest: str, what: str, force: bool, same: boo
         return False
     ours = listed_files(folder, manifest, legacy)
     if ours is None:
-        raise UserError(f"{folder} holds files that gstrain did not write ({_quote(present)}); "
-                        "choose a new or empty folder")
+        raise UserError(f"{folder} holds files that gstrain did not write ({_quote(present)}; no {manifest} "
+                        "lists them); choose a new or empty folder")
     stray = [n for n in present if n not in ours and _SCENE_PART.match(n.split("/")[0])]
     if stray:
         raise UserError(f"{folder} holds an earlier {what}, and files that gstrain did not write in its "
