@@ -68,9 +68,13 @@ class Renderer:
 
     def set_training_views(self, views: Sequence[Any]) -> None:
         """The training views (gstrain.data.scene.View) whose sampling rates set render.filter_3d."""
-        from gstrain.render.filter3d import views_cameras
+        self.set_training_cameras([(v.viewmat, v.K, v.width, v.height) for v in views])
 
-        viewmats, Ks, sizes = views_cameras(views)
+    def set_training_cameras(self, cameras: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """set_training_views from (viewmat, K, width, height) tuples."""
+        from gstrain.render.filter3d import stack_cameras
+
+        viewmats, Ks, sizes = stack_cameras(cameras)
         self._filter_views = (viewmats.to(self.device), Ks.to(self.device), sizes)
         self._filter_stale = True
 

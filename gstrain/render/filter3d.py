@@ -73,8 +73,8 @@ def apply_filter_3d(params: Mapping[str, Tensor], std: Tensor) -> dict[str, Tens
     return {**params, "scales": log_s_new, "opacities": logits}
 
 
-def views_cameras(views: Sequence) -> tuple[Tensor, Tensor, list[tuple[int, int]]]:
-    """viewmats [V,4,4], Ks [V,3,3] and (width, height) of scene views (gstrain.data.scene.View)."""
-    viewmats = torch.stack([v.viewmat for v in views]) if views else torch.zeros(0, 4, 4)
-    Ks = torch.stack([v.K for v in views]) if views else torch.zeros(0, 3, 3)
-    return viewmats, Ks, [(v.width, v.height) for v in views]
+def stack_cameras(cameras: Sequence[tuple[Tensor, Tensor, int, int]]) -> tuple[Tensor, Tensor, list[tuple[int, int]]]:
+    """viewmats [V,4,4], Ks [V,3,3] and (width, height) of (viewmat, K, width, height) cameras."""
+    viewmats = torch.stack([c[0].float() for c in cameras]) if cameras else torch.zeros(0, 4, 4)
+    Ks = torch.stack([c[1].float() for c in cameras]) if cameras else torch.zeros(0, 3, 3)
+    return viewmats, Ks, [(int(c[2]), int(c[3])) for c in cameras]
