@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_scenes import assert_close, camera, random_gaussians
+from cuda_scenes import FWD_TOL, GRAD_TOL, assert_close, camera, random_gaussians
 from torch import Tensor
 
 pytestmark = pytest.mark.cuda
@@ -88,7 +88,7 @@ def test_render_cuda_antialiased_equals_gsplats_antialiased_rasterization(option
     ref = _run(raw, _gsplat(bg), bg)
     ours = _run(raw, _ours(bg, **options), bg)
     for k, v in ref.items():
-        assert_close(f"antialiased {options} {k}", ours[k], v, 2e-5 if k in ("image", "alpha") else 1e-4)
+        assert_close(f"antialiased {options} {k}", ours[k], v, FWD_TOL if k in ("image", "alpha") else GRAD_TOL)
     # the mode matters on this scene: the classic render differs
     from gstrain.render.common import RasterOptions
     from gstrain.render.cuda import render_cuda
