@@ -116,6 +116,15 @@ class RenderConfig:
     # around it (a [N, 16, 3] concatenation among them); the same function. It saves memory and eager
     # steps' launches; in graph steps it is level with gsplat's (docs/benchmarks.md)
     fused_sh: bool = True
+    # scale each Gaussian's opacity by sqrt(det(cov2d) / det(cov2d + 0.3 I)): the 0.3-pixel 2D blur
+    # then no longer brightens small Gaussians, so renders at other scales than training (zoomed
+    # out) alias less (gsplat's rasterize_mode="antialiased"; every backend)
+    antialiased: bool = False
+    # Mip-Splatting's 3D smoothing filter: a 3D Gaussian low-pass whose variance is this many
+    # pixels^2 at each Gaussian's highest sampling rate over the training views (focal / depth),
+    # added to the Gaussian's covariance with its opacity compensated (gstrain/render/filter3d.py).
+    # 0 = off; the paper uses 0.2
+    filter_3d: float = 0.0
 
 
 @dataclass
@@ -323,6 +332,9 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"model.sh_degree must be 0..3; got {cfg.model.sh_degree}")
     if not 1 <= cfg.render.atomic_threshold <= 32:
         raise UserError(f"render.atomic_threshold must be 1..32; got {cfg.render.atomic_threshold}")
+    if not 0.0 <= cfg.render.filter_3d < 100.0:
+        raise UserError(f"render.filter_3d must be 0 (off) or a variance in pixels^2 below 100; "
+                        f"got {cfg.render.filter_3d}")
     if len(cfg.data.background) != 3:
         raise UserError("data.background must be three numbers (RGB in 0..1)")
     if cfg.viewer.refresh_every < 1:

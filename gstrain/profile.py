@@ -162,6 +162,7 @@ class WorkloadSteps:
         self.params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
         self.optimizers = build_optimizers(self.params, run_cfg.optim, work.extent)
         renderer = Renderer(run_cfg.render, self.device, absgrad=run_cfg.strategy.absgrad)
+        renderer.set_training_cameras(work.cameras)  # render.filter_3d's sampling rates
         self.timer = PhaseTimer(self.device)
         self.runner = StepRunner(run_cfg, renderer, build_strategy(run_cfg.strategy, work.extent, self.device),
                                  self.timer, self.device)  # fmt: skip

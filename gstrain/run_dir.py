@@ -247,6 +247,8 @@ def open_run(
         if dev.type != "cuda" and rcfg.backend in CUDA_BACKENDS:
             rcfg = dataclasses.replace(rcfg, backend="reference")  # trained on a GPU, rendered without one
         rend = Renderer(rcfg, dev)
+        if scene is not None:
+            rend.set_training_views(scene.train)  # render.filter_3d's sampling rates
         background = torch.tensor(cfg.data.background, dtype=torch.float32, device=dev)
         params_device = dev
     params = torch.nn.ParameterDict({

@@ -19,6 +19,7 @@ from gstrain.dist.partition import (
     view_owner_counts,
 )  # fmt: skip
 from gstrain.dist.sharded_render import ViewBatch, render_sharded
+from gstrain.render.common import RasterOptions
 from gstrain.render.reference import render_reference
 
 W_IMG, H_IMG, SH = 40, 32, 1
@@ -74,26 +75,28 @@ def _plan(world: int, idle: bool = False) -> tuple[dict, ViewBatch, torch.Tensor
     return params, batch, weights, owner, counts
 
 
-def _worker(rank: int, world: int, compress: str, idle: bool = False) -> dict:
+def _worker(rank: int, world: int, compress: str, idle: bool = False, antialiased: bool = False) -> dict:
     params, batch, weights, owner, _ = _plan(world, idle)
     rows = shard_indices(owner, world)[rank]
     shard = torch.nn.ParameterDict({k: torch.nn.Parameter(v[rows].clone()) for k, v in params.items()})
     counter = CommCounter()
-    out = render_sharded(shard, batch, SH, compress=compress, counter=counter)
+    out = render_sharded(shard, batch, SH, compress=compress, counter=counter,
+                         options=RasterOptions(antialiased=antialiased))  # fmt: skip
     loss = out.zero_term + sum((img * weights[i]).sum() for i, img in zip(out.views, out.images, strict=True))
     loss.backward()
     return {"views": out.views, "images": [i.detach() for i in out.images], "rows": rows,
             "grads": {k: p.grad for k, p in shard.items()}, "counter": counter.records}
 
 
-def _reference(world: int, idle: bool = False) -> tuple[list, dict, torch.Tensor, ViewBatch, object]:
+def _reference(world: int, idle: bool = False, antialiased: bool = False) -> tuple[list, dict, torch.Tensor,
+                                                                                 ViewBatch, object]:  # fmt: skip
     """Single process, the Gaussians concatenated shard by shard (rank-major order)."""
     params, batch, weights, owner, counts = _plan(world, idle)
     order = torch.cat(shard_indices(owner, world))
     p = {k: v[order].clone().requires_grad_(True) for k, v in params.items()}
     images = []
     for i in range(len(batch)):
-        img, _, _ = render_reference(p, batch.viewmats[i], batch.Ks[i], W_IMG, H_IMG, SH)
+        img, _, _ = render_reference(p, batch.viewmats[i], batch.Ks[i], W_IMG, H_IMG, SH, antialiased=antialiased)
         images.append(img)
     sum((img * weights[i]).sum() for i, img in enumerate(images)).backward()
     grads = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -106,8 +109,9 @@ def _three(rank: int, world: int) -> list[dict]:
     return [_worker(rank, world, "none"), _worker(rank, world, "fp16"), _worker(rank, world, "none", idle=True)]
 
 
-def _compare(world: int, results: list[dict], exact_bytes: bool, compress: str = "none", idle: bool = False) -> None:
-    images, grads, counts, batch, _ = _reference(world, idle)
+def _compare(world: int, results: list[dict], exact_bytes: bool, compress: str = "none", idle: bool = False,
+             antialiased: bool = False) -> None:  # fmt: skip
+    images, grads, counts, batch, _ = _reference(world, idle, antialiased)
     # fp16 rounds every record and gradient on the wire (~5e-4 relative): images within 1.5e-2,
     # gradients within 1% of their norm (measured: 6e-3 and 0.5%)
     tol = {"rtol": 1e-5, "atol": 1e-6} if compress == "none" else {"rtol": 0, "atol": 1.5e-2}
@@ -147,6 +151,11 @@ def test_sharded_render_three_ranks_round_robin() -> None:
     # a rank that renders no view still joins the backward exchange (zero_term), no hang
     assert runs[1][2]["views"] == []
     _compare(3, [run[2] for run in runs], exact_bytes=True, idle=True)
+
+
+def test_sharded_render_antialiased_two_ranks() -> None:
+    """render.antialiased: the opacities are compensated per view, before the records travel."""
+    _compare(2, run_local(_worker, 2, "none", False, True, timeout=60), exact_bytes=True, antialiased=True)
 
 
 def test_single_process_path_is_bit_identical() -> None:

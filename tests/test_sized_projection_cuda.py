@@ -111,11 +111,14 @@ def _splats(scene):
     return params
 
 
-@pytest.mark.parametrize("crop", [(64, 64), (57, 60), (64, 47), (41, 33)])
-def test_canvas_step_equals_the_step_at_the_views_size(demo_scene, crop):
+@pytest.mark.parametrize(("crop", "antialiased"),
+                         [((64, 64), False), ((57, 60), False), ((64, 47), False), ((41, 33), False),
+                          ((64, 64), True), ((41, 33), True)])  # fmt: skip
+def test_canvas_step_equals_the_step_at_the_views_size(demo_scene, crop, antialiased):
     """The same view cropped to (height, width), rendered at that size with gsplat's projection
     and the synced intersection, against the 64x64 canvas with the size on the device: the image
-    in the view's part, the loss, the parameters' gradients and the screen-space statistics."""
+    in the view's part, the loss, the parameters' gradients and the screen-space statistics.
+    antialiased: gsplat's compensations against our device-sized kernel's."""
     from gstrain.data.colmap import load_scene
     from gstrain.train.fused_ssim import fused_photometric_loss
 
@@ -129,7 +132,8 @@ def test_canvas_step_equals_the_step_at_the_views_size(demo_scene, crop):
     valid = torch.tensor([width, height], dtype=torch.int32, device="cuda")
     out = {}
     for name in ("view", "canvas"):
-        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp", "ellipse_cull": True}}])
+        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp", "ellipse_cull": True,
+                                                  "antialiased": antialiased}}])  # fmt: skip
         renderer = Renderer(cfg.render, torch.device("cuda"))
         budget = PairBudget.on(torch.device("cuda"), 1 << 16)
         renderer.options = replace(renderer.options, pair_budget=budget,

@@ -73,32 +73,36 @@ def _colors_sh(shard: Mapping[str, Tensor], sh_degree: int) -> Tensor:
     return torch.cat([sh, shard["shN"][:, : nb - 1]], dim=1) if nb > 1 else sh
 
 
-def _project(shard: Mapping[str, Tensor], batch: ViewBatch, scales: Tensor, on_gpu: bool) -> tuple[Tensor, ...]:
+def _project(shard: Mapping[str, Tensor], batch: ViewBatch, scales: Tensor, on_gpu: bool,
+             antialiased: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
     """means2d [B,n,2], radii [B,n,2] int32, conics [B,n,3], depths [B,n] of this shard in every
-    batch view: gsplat's projection on a CUDA backend (as render_cuda), else the reference's."""
+    batch view: gsplat's projection on a CUDA backend (as render_cuda), else the reference's. With
+    antialiased (RasterOptions.antialiased) also the opacity compensations [B,n]."""
     means, n_batch = shard["means"], len(batch)
     if not n_batch:
         n = means.shape[0]
         radii = torch.zeros(0, n, 2, dtype=torch.int32, device=means.device)
-        return means.new_zeros(0, n, 2), radii, means.new_zeros(0, n, 3), means.new_zeros(0, n)
+        empty = (means.new_zeros(0, n, 2), radii, means.new_zeros(0, n, 3), means.new_zeros(0, n))
+        return empty + ((means.new_zeros(0, n),) if antialiased else ())
     if on_gpu:
         from gsplat import fully_fused_projection
 
         outs = [
             fully_fused_projection(means, None, shard["quats"], scales, batch.viewmats[i : i + 1].to(means),
                                    batch.Ks[i : i + 1].to(means), int(batch.widths[i]), int(batch.heights[i]),
-                                   eps2d=0.3, near_plane=0.01, packed=False)  # fmt: skip
+                                   eps2d=0.3, near_plane=0.01, packed=False,
+                                   calc_compensations=antialiased)  # fmt: skip
             for i in range(n_batch)
         ]
-        radii, means2d, depths, conics = (torch.cat([o[k] for o in outs]) if n_batch > 1 else outs[0][k]
-                                          for k in range(4))  # fmt: skip
-        return means2d, radii, conics, depths
+        radii, means2d, depths, conics, *comp = (torch.cat([o[k] for o in outs]) if n_batch > 1 else outs[0][k]
+                                                 for k in range(5 if antialiased else 4))  # fmt: skip
+        return (means2d, radii, conics, depths, *comp)
     projs = [
         project_gaussians(means, shard["quats"], scales, batch.viewmats[i].to(means), batch.Ks[i].to(means),
-                          int(batch.widths[i]), int(batch.heights[i]))  # fmt: skip
+                          int(batch.widths[i]), int(batch.heights[i]), antialiased=antialiased)  # fmt: skip
         for i in range(n_batch)
     ]
-    fields = ("means2d", "radii", "conics", "depths")
+    fields = ("means2d", "radii", "conics", "depths") + (("compensations",) if antialiased else ())
     return tuple(torch.stack([getattr(p, f) for p in projs]) for f in fields)
 
 
@@ -150,7 +154,8 @@ def _render_alone(shard: Mapping[str, Tensor], batch: ViewBatch, sh_degree: int,
     for i in range(len(batch)):
         view = slice(i, i + 1)  # slices of the [B, N, ...] tensors the strategy reads
         w, h = int(batch.widths[i]), int(batch.heights[i])
-        splats = intersect_splats(means2d[view], conics[view], opacities[None], radii[view], depths[view], w, h,
+        opac = opacities[None] if opacities.dim() == 1 else opacities[view]  # [N], or per view [B,N]
+        splats = intersect_splats(means2d[view], conics[view], opac, radii[view], depths[view], w, h,
                                   options.ellipse_cull)  # fmt: skip
         colors = splat_colors(shard, batch.viewmats[i], sh_degree, radii[view], fused=options.fused_sh)
         image, alpha = rasterize_splats(splats, colors, background, options)
@@ -188,9 +193,11 @@ def render_sharded(
     opac_all = torch.sigmoid(shard["opacities"])
 
     # ---- owner: project for every batch view, pack visible records by renderer rank
-    means2d, radii, conics, depths = _project(shard, batch, scales, on_gpu)
+    means2d, radii, conics, depths, *comp = _project(shard, batch, scales, on_gpu, options.antialiased)
+    # antialiased: the opacities differ per view, [B, n]; else one per Gaussian, [n]
+    opac = opac_all[None] * comp[0] if comp else opac_all
     if world == 1 and on_gpu and n_batch:
-        return _render_alone(shard, batch, sh_degree, (means2d, radii, conics, depths), opac_all, background, options)
+        return _render_alone(shard, batch, sh_degree, (means2d, radii, conics, depths), opac, background, options)
     sh = _colors_sh(shard, sh_degree)
     send_order = sorted(range(n_batch), key=lambda i: (int(batch.homes[i]), i))
     # a pageable host tensor copied without non_blocking would wait for the GPU's queue
@@ -219,7 +226,8 @@ def render_sharded(
         dirs = means.index_select(0, li) - cams.index_select(0, vi)
         colors = _colors(sh.index_select(0, li), dirs, sh_degree, on_gpu)
         projected = torch.cat([means2d, conics], -1).reshape(-1, 5).index_select(0, rows)
-        payload = torch.cat([projected, opac_all.index_select(0, li)[:, None], colors], 1)
+        opac_rows = opac.reshape(-1).index_select(0, rows) if comp else opac_all.index_select(0, li)
+        payload = torch.cat([projected, opac_rows[:, None], colors], 1)
         depth_bits = depths.detach().reshape(-1).index_select(0, rows).float().view(META_DTYPE)
         meta = torch.cat([depth_bits[:, None], radii.reshape(-1, 2).index_select(0, rows).to(META_DTYPE)], 1)
     else:

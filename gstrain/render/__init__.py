@@ -7,6 +7,7 @@ radii, width, height, n_cameras.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ class Renderer:
             raise UserError(f"render.backend={backend} needs a CUDA GPU; use --device cuda on a GPU machine")
         self.backend = backend
         self.cfg = cfg
+        self.device = device
         self.absgrad = absgrad
         self.tuner = None
         self._tuned_count: int | None = None  # population when ARC last started a round
@@ -57,8 +59,51 @@ class Renderer:
         self.options = RasterOptions(
             absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
             tuner=self.tuner, gsplat_raster=not ours, ellipse_cull=cfg.ellipse_cull and ours,
-            fused_sh=cfg.fused_sh and ours,
+            fused_sh=cfg.fused_sh and ours, antialiased=cfg.antialiased,
         )  # fmt: skip
+        # render.filter_3d: the training cameras the rates come from, and the filter's per-Gaussian std
+        self._filter_views: tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
+        self._filter_std: torch.Tensor | None = None
+        self._filter_stale = True
+
+    def set_training_views(self, views: Sequence[Any]) -> None:
+        """The training views (gstrain.data.scene.View) whose sampling rates set render.filter_3d."""
+        self.set_training_cameras([(v.viewmat, v.K, v.width, v.height) for v in views])
+
+    def set_training_cameras(self, cameras: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """set_training_views from (viewmat, K, width, height) tuples."""
+        from gstrain.render.filter3d import stack_cameras
+
+        viewmats, Ks, sizes = stack_cameras(cameras)
+        self._filter_views = (viewmats.to(self.device), Ks.to(self.device), sizes)
+        self._filter_stale = True
+
+    def _filtered(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """params through the 3D filter when render.filter_3d is on (recomputing its rates when the
+        population changed); else params unchanged."""
+        if self.cfg.filter_3d <= 0:
+            return params
+        from gstrain.render.filter3d import apply_filter_3d
+
+        if self._filter_views is None:
+            raise UserError("render.filter_3d needs the training views' cameras; this command has no scene to take "
+                            "them from (pass the scene, or --set render.filter_3d=0)")  # fmt: skip
+        if self._filter_stale or self._filter_std is None or self._filter_std.shape[0] != params["means"].shape[0]:
+            self._update_filter(params)
+        return apply_filter_3d(params, self._filter_std)
+
+    def _update_filter(self, params: Mapping[str, torch.Tensor]) -> None:
+        from gstrain.render.filter3d import filter_std, max_sampling_rate
+
+        assert self._filter_views is not None
+        viewmats, Ks, sizes = self._filter_views
+        with torch.no_grad():
+            std = filter_std(max_sampling_rate(params["means"], viewmats, Ks, sizes), self.cfg.filter_3d)
+        if self._filter_std is not None and self._filter_std.shape == std.shape:
+            self._filter_std.copy_(std)  # in place: a captured CUDA graph reads this storage
+        else:
+            self._filter_std = std
+        self._filter_stale = False
 
     def __call__(
         self,
@@ -72,6 +117,7 @@ class Renderer:
         timer: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Render one view. A PhaseTimer, when given, gets the projection / raster_fwd / raster_bwd split."""
+        params = self._filtered(params)
         if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_cuda
 
@@ -79,7 +125,8 @@ class Renderer:
         from gstrain.render.reference import render_reference
 
         return render_reference(
-            params, viewmat, K, width, height, sh_degree, background, absgrad=self.absgrad, timer=timer
+            params, viewmat, K, width, height, sh_degree, background, absgrad=self.absgrad, timer=timer,
+            antialiased=self.options.antialiased,
         )
 
     def render_depth(
@@ -94,29 +141,37 @@ class Renderer:
 
         Camera-space z of each Gaussian's centre, composited with the same weights as colour.
         """
+        params = self._filtered(params)
+        antialiased = self.options.antialiased
         if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_depth_cuda
 
-            acc, alpha = render_depth_cuda(params, viewmat, K, width, height, self.options.gsplat_raster)
+            acc, alpha = render_depth_cuda(params, viewmat, K, width, height, self.options.gsplat_raster, antialiased)
         else:
             from gstrain.render.reference import project_gaussians, rasterize
 
             means = params["means"]
-            proj = project_gaussians(
-                means, params["quats"], torch.exp(params["scales"]), viewmat.to(means), K.to(means), width, height
-            )
+            proj = project_gaussians(means, params["quats"], torch.exp(params["scales"]), viewmat.to(means),
+                                     K.to(means), width, height, antialiased=antialiased)  # fmt: skip
+            opacities = torch.sigmoid(params["opacities"])
+            if proj.compensations is not None:
+                opacities = opacities * proj.compensations
             acc, alpha = rasterize(
-                proj.means2d, proj.conics, proj.depths[:, None], torch.sigmoid(params["opacities"]),
-                proj.radii, proj.depths, width, height,
+                proj.means2d, proj.conics, proj.depths[:, None], opacities, proj.radii, proj.depths, width, height,
             )  # fmt: skip
         # below 1/255 coverage the ratio is noise (and 0/0 where nothing is hit)
         covered = alpha > 1.0 / 255.0
         return torch.where(covered, acc / alpha.clamp_min(1e-10), torch.zeros_like(acc))
 
-    def gaussians_changed(self, count: int | None = None) -> None:
+    def gaussians_changed(self, count: int | None = None, params: Mapping[str, torch.Tensor] | None = None) -> None:
         """Densification changed the population: the best atomic threshold may have moved. With
         the population's size, ARC re-tunes only once it has moved RETUNE_CHANGE from the last
-        round's (a round is ~19 backward calls that a CUDA-graph step cannot make)."""
+        round's (a round is ~19 backward calls that a CUDA-graph step cannot make). The 3D
+        filter's rates follow the Gaussians' means: recomputed now from `params`, else at the next
+        render."""
+        self._filter_stale = True
+        if params is not None and self.cfg.filter_3d > 0 and self._filter_views is not None:
+            self._update_filter(params)
         if self.tuner is None:
             return
         if count is not None and self._tuned_count and abs(count / self._tuned_count - 1.0) < RETUNE_CHANGE:

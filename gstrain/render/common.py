@@ -28,6 +28,9 @@ class RasterOptions:
     top-left part of the width x height canvas the render is called with, and the projection
     (render/sized_projection.py) and the intersection read its size on the device, so one CUDA
     graph serves views of every size. Pixels outside it are rendered but belong to no view.
+    antialiased: each Gaussian's opacity is scaled by sqrt(det(cov2d) / det(cov2d + eps2d I)), the
+    share of its mass the 2D low-pass (eps2d) did not spread out (gsplat's rasterize_mode
+    "antialiased"; render.antialiased), in the projection of every backend.
     """
 
     absgrad: bool = False
@@ -40,6 +43,7 @@ class RasterOptions:
     fused_sh: bool = False
     pair_budget: Any = None  # gstrain.render.isect.PairBudget
     valid_size: Any = None  # torch.Tensor [2] int32 on the device
+    antialiased: bool = False
 
 
 DEFAULT_OPTIONS = RasterOptions()  # our kernels, arc, no absgrad

@@ -30,7 +30,7 @@ from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strateg
 from gstrain.render.isect import PairBudget, capped_intersection
 from gstrain.render.projection import camera_centre
 from gstrain.render.sh_colors import sh_colors
-from gstrain.render.sized_projection import EPS2D, NEAR_PLANE, project_sized
+from gstrain.render.sized_projection import EPS2D, NEAR_PLANE, project_sized, project_sized_compensated
 
 THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h kThresholdNever)
 TILE_SIZE = 16
@@ -270,26 +270,34 @@ class Splats:
 def project_splats(
     params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
     ellipse_cull: bool = False, cull_kernel: bool = True, budget: PairBudget | None = None,
-    valid: Tensor | None = None,
+    valid: Tensor | None = None, antialiased: bool = False,
 ) -> Splats:
     """gsplat's public projection and tile intersection for one camera; with ellipse_cull, the
     pairs whose alpha is provably < 1/255 on their whole tile are dropped (intersect_splats).
     With a budget and `valid` (RasterOptions.valid_size), width x height is a canvas and the view
-    the valid part of it: the device-sized projection replaces gsplat's."""
+    the valid part of it: the device-sized projection replaces gsplat's. antialiased: the
+    opacities are scaled by the projection's compensations (RasterOptions.antialiased)."""
+    compensations = None
     if valid is not None:
         if budget is None or not ellipse_cull:  # a canvas only means something to the capped intersection
             raise ValueError("a canvas render (valid size) needs a pair budget and ellipse_cull")
-        radii, means2d, depths, conics = project_sized(params["means"], params["quats"], torch.exp(params["scales"]),
-                                                       viewmat, K, valid)  # fmt: skip
+        scales = torch.exp(params["scales"])
+        if antialiased:
+            radii, means2d, depths, conics, compensations = project_sized_compensated(
+                params["means"], params["quats"], scales, viewmat, K, valid)  # fmt: skip
+        else:
+            radii, means2d, depths, conics = project_sized(params["means"], params["quats"], scales, viewmat, K, valid)
     else:
         from gsplat import fully_fused_projection
 
-        radii, means2d, depths, conics, _ = fully_fused_projection(
+        radii, means2d, depths, conics, compensations = fully_fused_projection(
             params["means"], None, params["quats"], torch.exp(params["scales"]),
             viewmat[None].float(), K[None].float(), width, height, eps2d=EPS2D, near_plane=NEAR_PLANE,
-            packed=False,
+            packed=False, calc_compensations=antialiased,
         )  # fmt: skip
     opacities = torch.sigmoid(params["opacities"])[None]
+    if compensations is not None:
+        opacities = opacities * compensations
     if budget is not None and ellipse_cull:
         kept = capped_intersection(ensure_built(), means2d, radii, depths, conics, opacities, width, height,
                                    TILE_SIZE, budget, valid)  # fmt: skip
@@ -395,7 +403,8 @@ def render_cuda(
     """
     with phase(timer, "projection"):
         splats = project_splats(params, viewmat, K, width, height, options.ellipse_cull,
-                                budget=options.pair_budget, valid=options.valid_size)  # fmt: skip
+                                budget=options.pair_budget, valid=options.valid_size,
+                                antialiased=options.antialiased)  # fmt: skip
         colors = splat_colors(params, viewmat, sh_degree, splats.radii, fused=options.fused_sh)
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None
@@ -414,11 +423,11 @@ def render_cuda(
 
 def render_depth_cuda(
     params: torch.nn.ParameterDict | dict[str, Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
-    gsplat_raster: bool = False,
+    gsplat_raster: bool = False, antialiased: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Camera-space depth composited like colour (1 channel): (sum w_i d_i [H,W,1], alpha [H,W,1]),
-    on our kernels or (gsplat_raster) on gsplat's."""
-    splats = project_splats(params, viewmat, K, width, height)
+    on our kernels or (gsplat_raster) on gsplat's; antialiased as RasterOptions.antialiased."""
+    splats = project_splats(params, viewmat, K, width, height, antialiased=antialiased)
     options = RasterOptions(atomic_mode="warp", gsplat_raster=gsplat_raster)
     acc, alpha = rasterize_splats(splats, splats.depths[..., None], options=options)
     return acc[0], alpha[0]

@@ -19,6 +19,8 @@ class Projection:
     conics: Tensor  # [N,3] (a,b,c) of the inverse 2D covariance
     depths: Tensor  # [N]
     radii: Tensor  # [N,2] int32, 0 = culled
+    # [N] sqrt(det(cov2d) / det(cov2d + eps2d I)) with antialiased, else None; 0 where culled or degenerate
+    compensations: Tensor | None = None
 
 
 def _quat_to_rotmat(quats: Tensor) -> Tensor:
@@ -44,12 +46,14 @@ def project_gaussians(
     eps2d: float = 0.3,
     near_plane: float = 0.01,
     far_plane: float = 1e10,
+    antialiased: bool = False,
 ) -> Projection:
     """EWA projection of 3D Gaussians through a pinhole camera (gsplat's fully_fused_projection).
 
     means [N,3], quats [N,4] (w,x,y,z, unnormalised), scales [N,3] LINEAR, viewmat [4,4]
     world-to-camera, K [3,3]. Culled Gaussians get radii 0; their other outputs stay finite so
-    that they receive zero (not NaN) gradients.
+    that they receive zero (not NaN) gradients. antialiased: also the opacity compensations
+    (RasterOptions.antialiased), the caller multiplies the opacities by them.
     """
     viewmat = viewmat.to(means)
     K = K.to(means)
@@ -83,6 +87,14 @@ def project_gaussians(
     det_ok = det > 0
     det_safe = torch.where(det_ok, det, torch.ones_like(det))
     conics = torch.stack([c11 / det_safe, -c01 / det_safe, c00 / det_safe], dim=-1)
+    compensations = None
+    if antialiased:
+        # the blur's share of the footprint: det before eps2d over det after. A flat Gaussian seen
+        # edge-on (det before <= 0) gets 0, and no gradient rather than sqrt's infinite one at 0
+        ratio = (cov2d[:, 0, 0] * cov2d[:, 1, 1] - c01 * c01) / det_safe
+        positive = det_ok & (ratio > 0)
+        compensations = torch.where(positive, torch.where(positive, ratio, torch.ones_like(ratio)).sqrt(),
+                                    torch.zeros_like(ratio))  # fmt: skip
     means2d = torch.stack([fx * u + cx, fy * v + cy], dim=-1)
 
     with torch.no_grad():
@@ -92,7 +104,7 @@ def project_gaussians(
         inside = (mx + rx > 0) & (mx - rx < width) & (my + ry > 0) & (my - ry < height)
         keep = in_depth & det_ok & inside
         radii = torch.where(keep[:, None], torch.stack([rx, ry], -1), 0).to(torch.int32)
-    return Projection(means2d=means2d, conics=conics, depths=depths, radii=radii)
+    return Projection(means2d=means2d, conics=conics, depths=depths, radii=radii, compensations=compensations)
 
 
 def camera_centre(viewmat: Tensor) -> Tensor:

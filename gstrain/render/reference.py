@@ -130,6 +130,7 @@ def render_reference(
     background: Tensor | None = None,
     absgrad: bool = False,
     timer: Any = None,
+    antialiased: bool = False,
 ) -> tuple[Tensor, Tensor, dict]:
     """Render one view of the Gaussians in params (CONVENTIONS.md names and activations).
 
@@ -138,7 +139,7 @@ def render_reference(
     .absgrad is set after backward when absgrad=True), radii [1,N,2] int32, depths [1,N],
     conics [1,N,3], width, height, n_cameras=1, gaussian_ids=None (not packed).
     timer: an optional gstrain.train.timing.PhaseTimer; it gets the projection / raster_fwd /
-    raster_bwd split, as on the CUDA path.
+    raster_bwd split, as on the CUDA path. antialiased: RasterOptions.antialiased.
     """
     means = params["means"]
     viewmat = viewmat.to(means)
@@ -148,9 +149,12 @@ def render_reference(
         sh = params["sh0"]
         if nb > 1:
             sh = torch.cat([sh, params["shN"][:, : nb - 1]], dim=1)
-        proj = project_gaussians(means, params["quats"], torch.exp(params["scales"]), viewmat, K, width, height)
+        proj = project_gaussians(means, params["quats"], torch.exp(params["scales"]), viewmat, K, width, height,
+                                 antialiased=antialiased)  # fmt: skip
         colors = sh_to_color(sh, means - camera_centre(viewmat), sh_degree)
         opacities = torch.sigmoid(params["opacities"])
+        if proj.compensations is not None:
+            opacities = opacities * proj.compensations
         means2d = proj.means2d[None]
     with phase(timer, "raster_fwd"):
         span = timer.backward_span("raster_bwd") if timer is not None else None

@@ -3,9 +3,10 @@
 gsplat's fully_fused_projection takes the image's width and height as kernel arguments, and they
 matter: its Jacobian is clamped to the frustum widened by 0.3 tan(half fov), and Gaussians off the
 image are culled. A CUDA graph captured with one size therefore cannot replay a view of another.
-This is the same function (pinhole, eps2d blur, no compensation, 3.33 sigma radii) with the size
-in a [2] int32 device tensor, so one graph serves views of every size (train/graph_step.py).
-tests/test_sized_projection_cuda.py compares it with gsplat's, forward and backward.
+This is the same function (pinhole, eps2d blur, 3.33 sigma radii, and with calc_compensations the
+antialiased mode's opacity compensations) with the size in a [2] int32 device tensor, so one graph
+serves views of every size (train/graph_step.py). tests/test_sized_projection_cuda.py compares it
+with gsplat's, forward and backward.
 """
 
 from __future__ import annotations
@@ -23,28 +24,38 @@ FAR_PLANE = 1e10  # gsplat's default
 class _SizedProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor,
-                size: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+                size: Tensor, compensate: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
         from gstrain.render.cuda import ensure_built
 
-        radii, means2d, depths, conics = ensure_built().project_fwd(
-            means, quats, scales, viewmat, K, size, EPS2D, NEAR_PLANE, FAR_PLANE
+        # compensations [1, N] with `compensate`, else an empty placeholder
+        radii, means2d, depths, conics, compensations = ensure_built().project_fwd(
+            means, quats, scales, viewmat, K, size, EPS2D, NEAR_PLANE, FAR_PLANE, compensate
         )
-        ctx.save_for_backward(means, quats, scales, viewmat, K, size, radii, conics)
+        ctx.save_for_backward(means, quats, scales, viewmat, K, size, radii, conics, compensations)
+        ctx.compensate = compensate
         ctx.mark_non_differentiable(radii)
-        return radii, means2d, depths, conics
+        return radii, means2d, depths, conics, compensations
 
     @staticmethod
-    def backward(ctx: Any, _v_radii: Tensor, v_means2d: Tensor, v_depths: Tensor | None,
-                 v_conics: Tensor) -> tuple[Tensor | None, ...]:  # fmt: skip
+    def backward(ctx: Any, _v_radii: Tensor, v_means2d: Tensor, v_depths: Tensor | None, v_conics: Tensor,
+                 v_compensations: Tensor | None) -> tuple[Tensor | None, ...]:  # fmt: skip
         from gstrain.render.cuda import ensure_built
 
-        means, quats, scales, viewmat, K, size, radii, conics = ctx.saved_tensors
+        means, quats, scales, viewmat, K, size, radii, conics, compensations = ctx.saved_tensors
         v_depths = None if v_depths is None else v_depths.contiguous()
+        if not ctx.compensate or v_compensations is None:
+            compensations, v_compensations = None, None
+        else:
+            v_compensations = v_compensations.contiguous()
         v_means, v_quats, v_scales = ensure_built().project_bwd(
             means, quats, scales, viewmat, K, size, EPS2D, radii, conics, v_means2d.contiguous(), v_depths,
-            v_conics.contiguous(),
+            v_conics.contiguous(), compensations, v_compensations,
         )  # fmt: skip
-        return v_means, v_quats, v_scales, None, None, None
+        return v_means, v_quats, v_scales, None, None, None, None
+
+
+def _inputs(means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t.float().contiguous() for t in (means, quats, scales, viewmat, K))
 
 
 def project_sized(means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor,
@@ -53,7 +64,12 @@ def project_sized(means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor,
     near_plane=0.01, packed=False) for one camera, with (W, H) = size ([2] int32 on the device):
     radii [1,N,2] int32, means2d [1,N,2], depths [1,N], conics [1,N,3] (zeros where culled).
     scales are linear; gradients flow to means, quats and scales."""
-    return _SizedProjection.apply(
-        means.float().contiguous(), quats.float().contiguous(), scales.float().contiguous(),
-        viewmat.float().contiguous(), K.float().contiguous(), size,
-    )  # fmt: skip
+    return _SizedProjection.apply(*_inputs(means, quats, scales, viewmat, K), size, False)[:4]
+
+
+def project_sized_compensated(means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor,
+                              size: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """project_sized and, as gsplat's calc_compensations=True gives them (the antialiased mode),
+    compensations [1,N] = sqrt(max(0, det(cov2d) / det(cov2d + eps2d I))), 0 where culled; the
+    gradients through them reach means, quats and scales."""
+    return _SizedProjection.apply(*_inputs(means, quats, scales, viewmat, K), size, True)

@@ -182,7 +182,7 @@ class StepRunner:
             means_lr = optimizers["means"].param_groups[0]["lr"]
             changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)
         if changed:
-            self.renderer.gaussians_changed(len(params["means"]))
+            self.renderer.gaussians_changed(len(params["means"]), params)
         timer.step_done()
         return changed
 

@@ -56,6 +56,7 @@ class Trainer:
         self.log = log
         self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
         self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad)
+        self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
         # Images live on the device as uint8 (a quarter of float32) and are converted per step.
         self.train_images = [v.image.to(device) for v in scene.train]
         self.train_cams = [(v.viewmat.to(device), v.K.to(device)) for v in scene.train]

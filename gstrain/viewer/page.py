@@ -151,6 +151,8 @@ class ViewerPage:
             raise RuntimeError("no Gaussians yet")
         if self._renderer is None:
             self._renderer = Renderer(self.cfg.render, self.device)
+            if self.scene is not None:
+                self._renderer.set_training_views(self.scene.train)  # render.filter_3d's sampling rates
         side = RENDER_SIDE_GPU if self.device.type == "cuda" else RENDER_SIDE_CPU
         w, h = fit_size(camera.image_width, camera.image_height, side)
         p = {k: v.to(self.device) for k, v in params.items()}

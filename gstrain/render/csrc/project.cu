@@ -1,6 +1,6 @@
 // EWA projection of 3D Gaussians through one pinhole camera, with the image size read from the
-// device. The math is gsplat's fully_fused_projection (pinhole, no compensation, radius 3.33
-// sigma, radius_clip 0) re-derived here; the only difference is where width and height come
+// device. The math is gsplat's fully_fused_projection (pinhole, radius 3.33 sigma, radius_clip 0,
+// optionally the antialiased mode's opacity compensations) re-derived here; the only difference is where width and height come
 // from. gsplat takes them as kernel arguments, so a CUDA graph captured for one image size cannot
 // replay a view of another. Here they sit in device memory, which the graph step refills before
 // each replay (train/graph_step.py), and one graph serves views of every size.
@@ -156,6 +156,7 @@ __global__ void __launch_bounds__(kProjectThreads) project_fwd_kernel(const Proj
     if (z < a.near_plane || z > a.far_plane) return;
     float cov[2][2];
     cov2d_of(p, cov);
+    const float det_orig = cov[0][0] * cov[1][1] - cov[0][1] * cov[1][0];
     cov[0][0] += a.eps2d;
     cov[1][1] += a.eps2d;
     const float det = cov[0][0] * cov[1][1] - cov[0][1] * cov[1][0];
@@ -175,6 +176,8 @@ __global__ void __launch_bounds__(kProjectThreads) project_fwd_kernel(const Proj
     out.conics[3 * i] = cov[1][1] * inv_det;
     out.conics[3 * i + 1] = -cov[0][1] * inv_det;
     out.conics[3 * i + 2] = cov[0][0] * inv_det;
+    // the share of the footprint the eps2d blur did not add (0 for a degenerate, flat one)
+    if (out.compensations != nullptr) out.compensations[i] = sqrtf(fmaxf(0.f, det_orig / det));
 }
 
 __global__ void __launch_bounds__(kProjectThreads) project_bwd_kernel(const ProjectArgs a, ProjectGrads g) {
@@ -197,6 +200,22 @@ __global__ void __launch_bounds__(kProjectThreads) project_bwd_kernel(const Proj
     for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int k = 0; k < 2; ++k) v_cov2d[r][k] = -(PG[r][0] * P[0][k] + PG[r][1] * P[1][k]);
+
+    // compensation c = sqrt(det(M) / det(B)), M the unblurred cov2d, B = M + eps2d I, P = B^-1:
+    // d(c^2)/dM = (adj(M) - c^2 adj(B)) / det(B) = (1 - c^2) P - eps2d det(P) I (adj(B) = adj(M) +
+    // eps2d I for 2x2), and dc = d(c^2) / 2c. c = 0 (clamped, flat Gaussian): no gradient
+    if (g.v_compensations != nullptr) {
+        const float comp = g.compensations[i];
+        if (comp > 0.f) {
+            const float v_sq = 0.5f * g.v_compensations[i] / comp;
+            const float keep = 1.f - comp * comp;
+            const float det_p = P[0][0] * P[1][1] - P[0][1] * P[1][0];
+            v_cov2d[0][0] += v_sq * (keep * P[0][0] - a.eps2d * det_p);
+            v_cov2d[0][1] += v_sq * keep * P[0][1];
+            v_cov2d[1][0] += v_sq * keep * P[1][0];
+            v_cov2d[1][1] += v_sq * (keep * P[1][1] - a.eps2d * det_p);
+        }
+    }
 
     // cov2d = J Sigma_c J^T: dL/dSigma_c = J^T V J, dL/dJ = V J Sigma_c^T + V^T J Sigma_c
     Mat3 v_cov_c;

@@ -29,6 +29,9 @@ struct ProjectOut {
     float *means2d; // [N, 2]
     float *depths;  // [N]
     float *conics;  // [N, 3]
+    // [N] sqrt(max(0, det(cov2d) / det(cov2d + eps2d I))), gsplat's antialiased mode (its
+    // calc_compensations); nullptr: not asked for
+    float *compensations;
 };
 
 // The backward's inputs (the forward's radii and conics, the outputs' gradients; v_depths may be
@@ -39,6 +42,9 @@ struct ProjectGrads {
     const float *v_means2d;
     const float *v_depths;
     const float *v_conics;
+    // the forward's compensations and their gradient; both nullptr when the forward made none
+    const float *compensations;
+    const float *v_compensations;
     float *v_means;  // [N, 3]
     float *v_quats;  // [N, 4]
     float *v_scales; // [N, 3]

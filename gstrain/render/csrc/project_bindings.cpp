@@ -71,10 +71,11 @@ ShColorArgs make_sh_args(
 
 } // namespace
 
-// -> radii [1, N, 2] int32, means2d [1, N, 2], depths [1, N], conics [1, N, 3] (zeros where culled)
+// -> radii [1, N, 2] int32, means2d [1, N, 2], depths [1, N], conics [1, N, 3] (zeros where culled),
+// compensations [1, N] (zeros where culled) with `compensate`, else an empty [0] placeholder
 std::vector<at::Tensor> project_fwd(
     const at::Tensor &means, const at::Tensor &quats, const at::Tensor &scales, const at::Tensor &viewmat,
-    const at::Tensor &K, const at::Tensor &size, double eps2d, double near_plane, double far_plane
+    const at::Tensor &K, const at::Tensor &size, double eps2d, double near_plane, double far_plane, bool compensate
 ) {
     const c10::cuda::CUDAGuard guard(means.device());
     const ProjectArgs a = make_project_args(means, quats, scales, viewmat, K, size, eps2d, near_plane, far_plane);
@@ -83,17 +84,20 @@ std::vector<at::Tensor> project_fwd(
     at::Tensor means2d = at::zeros({1, a.n, 2}, opts);
     at::Tensor depths = at::zeros({1, a.n}, opts);
     at::Tensor conics = at::zeros({1, a.n, 3}, opts);
+    at::Tensor compensations = compensate ? at::zeros({1, a.n}, opts) : at::empty({0}, opts);
     const ProjectOut out{radii.data_ptr<int>(), means2d.data_ptr<float>(), depths.data_ptr<float>(),
-                         conics.data_ptr<float>()};
+                         conics.data_ptr<float>(), compensate ? compensations.data_ptr<float>() : nullptr};
     check_cuda(launch_project_fwd(a, out, c10::cuda::getCurrentCUDAStream().stream()), "projection forward");
-    return {radii, means2d, depths, conics};
+    return {radii, means2d, depths, conics, compensations};
 }
 
-// -> v_means [N, 3], v_quats [N, 4], v_scales [N, 3]; v_depths may be undefined (no gradient)
+// -> v_means [N, 3], v_quats [N, 4], v_scales [N, 3]; v_depths may be undefined (no gradient), and
+// compensations with v_compensations (both [1, N]) are given when the forward made them
 std::vector<at::Tensor> project_bwd(
     const at::Tensor &means, const at::Tensor &quats, const at::Tensor &scales, const at::Tensor &viewmat,
     const at::Tensor &K, const at::Tensor &size, double eps2d, const at::Tensor &radii, const at::Tensor &conics,
-    const at::Tensor &v_means2d, const std::optional<at::Tensor> &v_depths, const at::Tensor &v_conics
+    const at::Tensor &v_means2d, const std::optional<at::Tensor> &v_depths, const at::Tensor &v_conics,
+    const std::optional<at::Tensor> &compensations, const std::optional<at::Tensor> &v_compensations
 ) {
     const c10::cuda::CUDAGuard guard(means.device());
     const ProjectArgs a = make_project_args(means, quats, scales, viewmat, K, size, eps2d, 0.0, 0.0);
@@ -110,12 +114,24 @@ std::vector<at::Tensor> project_bwd(
         TORCH_CHECK(v_depths->numel() == a.n, "v_depths must hold N values");
         vd = v_depths->data_ptr<float>();
     }
+    const float *comp = nullptr, *v_comp = nullptr;
+    const bool has_comp = compensations.has_value() && compensations->defined();
+    TORCH_CHECK(has_comp == (v_compensations.has_value() && v_compensations->defined()),
+                "project_bwd: compensations and v_compensations come together");
+    if (has_comp) {
+        check_tensor(*compensations, "compensations", at::kFloat);
+        check_tensor(*v_compensations, "v_compensations", at::kFloat);
+        TORCH_CHECK(compensations->numel() == a.n && v_compensations->numel() == a.n,
+                    "compensations and v_compensations must hold N values");
+        comp = compensations->data_ptr<float>();
+        v_comp = v_compensations->data_ptr<float>();
+    }
     at::Tensor v_means = at::zeros_like(means);
     at::Tensor v_quats = at::zeros_like(quats);
     at::Tensor v_scales = at::zeros_like(scales);
     const ProjectGrads g{radii.data_ptr<int>(), conics.data_ptr<float>(), v_means2d.data_ptr<float>(), vd,
-                         v_conics.data_ptr<float>(), v_means.data_ptr<float>(), v_quats.data_ptr<float>(),
-                         v_scales.data_ptr<float>()};
+                         v_conics.data_ptr<float>(), comp, v_comp, v_means.data_ptr<float>(),
+                         v_quats.data_ptr<float>(), v_scales.data_ptr<float>()};
     check_cuda(launch_project_bwd(a, g, c10::cuda::getCurrentCUDAStream().stream()), "projection backward");
     return {v_means, v_quats, v_scales};
 }

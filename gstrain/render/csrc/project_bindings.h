@@ -12,13 +12,14 @@ namespace gstrain {
 
 std::vector<at::Tensor> project_fwd(
     const at::Tensor &means, const at::Tensor &quats, const at::Tensor &scales, const at::Tensor &viewmat,
-    const at::Tensor &K, const at::Tensor &size, double eps2d, double near_plane, double far_plane
+    const at::Tensor &K, const at::Tensor &size, double eps2d, double near_plane, double far_plane, bool compensate
 );
 
 std::vector<at::Tensor> project_bwd(
     const at::Tensor &means, const at::Tensor &quats, const at::Tensor &scales, const at::Tensor &viewmat,
     const at::Tensor &K, const at::Tensor &size, double eps2d, const at::Tensor &radii, const at::Tensor &conics,
-    const at::Tensor &v_means2d, const std::optional<at::Tensor> &v_depths, const at::Tensor &v_conics
+    const at::Tensor &v_means2d, const std::optional<at::Tensor> &v_depths, const at::Tensor &v_conics,
+    const std::optional<at::Tensor> &compensations, const std::optional<at::Tensor> &v_compensations
 );
 
 std::vector<at::Tensor> sh_colors_fwd(
