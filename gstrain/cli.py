@@ -76,7 +76,7 @@ AllowOlderOpt = Annotated[bool, typer.Option(
 
 @app.command()
 def fit(
-    scene: Annotated[Path, typer.Argument(help="COLMAP scene folder: images/ and sparse/0 (or sparse/).")],
+    scene: Annotated[Path, typer.Argument(help="Scene folder: COLMAP (images/, sparse/0) or transforms.json.")],
     config: ConfigOpt = None,
     out: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<scene name>).")] = None,
     steps: Annotated[int | None, typer.Option(help="Training steps (default from config: 30000).")] = None,
