@@ -168,3 +168,24 @@ def test_both_forms_train_like_the_colmap_twin(scenes, tmp_path):
     twin = _final_psnr(scenes["colmap"], tmp_path / "colmap", steps)
     for form in ("blender", "nerfstudio"):
         assert _final_psnr(scenes[form], tmp_path / form, steps) == pytest.approx(twin, abs=0.05), form
+
+
+@pytest.mark.parametrize("text", [False, True])
+def test_ply_points_read_like_plyfile(tmp_path, text):
+    from plyfile import PlyData, PlyElement  # an independent PLY writer
+
+    from gstrain.data.ply_points import read_ply_points
+
+    rng = np.random.default_rng(0)
+    rows = np.zeros(50, dtype=[("nx", "f4"), ("x", "f8"), ("y", "f8"), ("z", "f8"),
+                               ("red", "u1"), ("green", "u1"), ("blue", "u1"), ("alpha", "u1")])
+    for key in ("nx", "x", "y", "z"):
+        rows[key] = rng.normal(size=50)
+    for key in ("red", "green", "blue", "alpha"):
+        rows[key] = rng.integers(0, 256, 50)
+    path = tmp_path / "points.ply"
+    PlyData([PlyElement.describe(rows, "vertex"), PlyElement.describe(np.zeros(2, [("i", "i4")]), "face")],
+            text=text).write(str(path))
+    xyz, rgb = read_ply_points(path)
+    np.testing.assert_allclose(xyz, np.stack([rows["x"], rows["y"], rows["z"]], 1).astype(np.float32), rtol=1e-6)
+    assert np.array_equal(rgb, np.stack([rows["red"], rows["green"], rows["blue"]], 1))

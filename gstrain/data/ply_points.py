@@ -35,6 +35,8 @@ def read_ply_points(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not {"x", "y", "z"} <= set(names):
         raise UserError(f"point cloud {path}: the vertex element has no x, y, z properties")
     order = _ENCODINGS[encoding]
+    if count == 0:
+        return np.zeros((0, 3), np.float32), np.zeros((0, 3), np.uint8)
     try:
         if order is None:
             rows = np.loadtxt(blob[body_start:].decode("ascii").splitlines()[:count], dtype=np.float64, ndmin=2)

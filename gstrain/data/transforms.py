@@ -94,7 +94,7 @@ def load_scene(
     train = [v for v, s in zip(views, split, strict=True) if s == "train"]
     test = [v for v, s in zip(views, split, strict=True) if s == "test"]
     return Scene(train=train, test=test, points=points, point_colors=colors,
-                 extent=camera_extent(views, points), notes=notes, points_expected=len(points) > 0)
+                 extent=camera_extent(views, points), notes=notes, points_expected=False)
 
 
 class _Meta:
