@@ -120,7 +120,7 @@ def eval_(
     device: DeviceOpt = None,
     allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
-    """Render the held-out views and score them (PSNR, SSIM, LPIPS when available offline)."""
+    """Render the held-out views and score them (PSNR, SSIM, LPIPS: weights fetched on first use)."""
     from gstrain.evaluate import evaluate_run
 
     metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint)
