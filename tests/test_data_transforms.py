@@ -189,3 +189,22 @@ def test_ply_points_read_like_plyfile(tmp_path, text):
     xyz, rgb = read_ply_points(path)
     np.testing.assert_allclose(xyz, np.stack([rows["x"], rows["y"], rows["z"]], 1).astype(np.float32), rtol=1e-6)
     assert np.array_equal(rgb, np.stack([rows["red"], rows["green"], rows["blue"]], 1))
+
+
+def test_named_split_and_prescaled_images(scenes, tmp_path):
+    scene_dir = write_nerfstudio(scenes["colmap"], tmp_path / "ns")
+    meta = json.loads((scene_dir / "transforms.json").read_text())
+    meta["train_filenames"] = [f"images/{i:03d}.png" for i in range(2, 16)]
+    meta["test_filenames"] = ["images/001"]  # without its extension, as file_path may be
+    (scene_dir / "transforms.json").write_text(json.dumps(meta))
+    small = scene_dir / "images_2"  # nerfstudio's downscaled copies, marked so their use shows
+    small.mkdir()
+    for file in (scene_dir / "images").iterdir():
+        Image.new("RGB", (SIZE // 2, SIZE // 2), (10, 200, 30)).save(small / file.name)
+    scene = load_scene(scene_dir, factor=2)
+    assert [v.name for v in scene.test] == ["images/001.png"]
+    assert [v.name for v in scene.train] == [f"images/{i:03d}.png" for i in range(2, 16)]
+    assert "1 frames are in neither" in " ".join(scene.notes)
+    assert all((v.image == torch.tensor([10, 200, 30], dtype=torch.uint8)).all() for v in _views(scene))
+    twin = load_colmap(scenes["colmap"], factor=2)
+    torch.testing.assert_close(scene.test[0].K, twin.train[0].K, atol=1e-4, rtol=0)

@@ -2,8 +2,9 @@
 
 Splits: with transforms_train.json, train comes from it and test from transforms_test.json;
 transforms_val.json is not used (the papers train on train and score on test; val is their
-tuning set). With a single transforms.json, frames sorted by file path are split by test_every,
-as COLMAP images are. Transparent pixels are composited over data.background (data/images.py).
+tuning set). A single transforms.json is split by its train_filenames / test_filenames lists
+(nerfstudio) when it has them, else its frames sorted by file path are split by test_every, as
+COLMAP images are. Transparent pixels are composited over data.background (data/images.py).
 Distorted cameras (OPENCV, OPENCV_FISHEYE) are undistorted to PINHOLE through pycolmap.
 """
 
@@ -51,7 +52,8 @@ def load_scene(
     notes: list[str] = []
     metas, split = _read_split(root, test_every, notes)
     say(f"reading {', '.join(sorted({str(m.file.name) for m in metas}))} in {root}")
-    frames = [f for meta in metas for f in meta.frames]
+    listed = [(f, s) for f, s in zip([f for meta in metas for f in meta.frames], split, strict=True) if s != "unused"]
+    frames, split = [f for f, _ in listed], [s for _, s in listed]
 
     image_dir, prescaled = _pick_images(root, frames, factor, notes, say)
     sources, forms = [], set()
@@ -150,8 +152,31 @@ def _read_split(root: Path, test_every: int, notes: list[str]) -> tuple[list[_Me
         return metas, split
     meta = _Meta(root / SINGLE_FILE)
     meta.frames.sort(key=lambda f: f.file.as_posix())
+    if "train_filenames" in meta.data or "test_filenames" in meta.data:
+        return [meta], _named_split(meta, notes)
     split = ["test" if test_every > 0 and i % test_every == 0 else "train" for i in range(len(meta.frames))]
     return [meta], split
+
+
+def _named_split(meta: _Meta, notes: list[str]) -> list[str]:
+    """nerfstudio's train_filenames / test_filenames (paths like file_path); other frames are dropped."""
+    named: dict[str, set[Path]] = {}
+    for split in ("train", "test"):
+        names = meta.data.get(f"{split}_filenames", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise UserError(f"{meta.file}: '{split}_filenames' must be a list of file paths")
+        named[split] = {Path(os.path.normpath(meta.file.parent / n)) for n in names}
+    split = []
+    for frame in meta.frames:
+        stem = frame.file.with_suffix("")  # a listed name may leave the extension off, as file_path may
+        hits = [s for s in ("test", "train") if frame.file in named[s] or stem in named[s]]
+        split.append(hits[0] if hits else "unused")
+    if "train" not in split:
+        raise UserError(f"{meta.file}: no frame is listed in 'train_filenames'")
+    unused = split.count("unused")
+    if unused:
+        notes.append(f"{unused} frames are in neither train_filenames nor test_filenames and are not used")
+    return split
 
 
 def _resolve_image(base: Path, file_path: str, where: str) -> Path:
