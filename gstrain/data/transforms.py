@@ -59,8 +59,7 @@ def load_scene(
     sources, forms = [], set()
     checked: set[tuple] = set()
     for frame in frames:
-        full_size = _image_size(frame.file)
-        camera = frame_camera(frame.meta.data, frame.data, full_size, frame.where)
+        camera = frame_camera(frame.meta.data, frame.data, lambda f=frame.file: _image_size(f), frame.where)
         key = (camera.model_name, camera.width, camera.height, tuple(camera.params))
         if key not in checked:
             check_undistortable(camera, frame.where)

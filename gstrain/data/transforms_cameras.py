@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,15 +31,17 @@ _OPENGL_TO_COLMAP = np.diag([1.0, -1.0, -1.0])
 
 
 def frame_camera(
-    meta: dict[str, Any], frame: dict[str, Any], image_size: tuple[int, int], where: str
+    meta: dict[str, Any], frame: dict[str, Any], image_size: Callable[[], tuple[int, int]], where: str
 ) -> pycolmap.Camera:
     """The frame's camera at its full size: a pycolmap camera (PINHOLE, FULL_OPENCV, OPENCV, OPENCV_FISHEYE).
 
-    image_size: the image file's (w, h), used where the file gives no w, h.
+    image_size: gives the image file's (w, h), read only where the JSON gives no w, h.
     """
     fields = {k: frame[k] if k in frame else meta[k] for k in INTRINSIC_KEYS if k in frame or k in meta}
-    w = _integer(fields, "w", where) if "w" in fields else image_size[0]
-    h = _integer(fields, "h", where) if "h" in fields else image_size[1]
+    if "w" in fields and "h" in fields:
+        w, h = _integer(fields, "w", where), _integer(fields, "h", where)
+    else:
+        w, h = image_size()
     if "fl_x" in fields:
         fx = _positive(fields, "fl_x", where)
         if "fl_y" not in fields:
