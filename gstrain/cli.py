@@ -76,7 +76,7 @@ AllowOlderOpt = Annotated[bool, typer.Option(
 
 @app.command()
 def fit(
-    scene: Annotated[Path, typer.Argument(help="COLMAP scene folder: images/ and sparse/0 (or sparse/).")],
+    scene: Annotated[Path, typer.Argument(help="Scene folder: COLMAP (images/, sparse/0) or transforms.json.")],
     config: ConfigOpt = None,
     out: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<scene name>).")] = None,
     steps: Annotated[int | None, typer.Option(help="Training steps (default from config: 30000).")] = None,
@@ -120,7 +120,7 @@ def eval_(
     device: DeviceOpt = None,
     allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
-    """Render the held-out views and score them (PSNR, SSIM, LPIPS when available offline)."""
+    """Render the held-out views and score them (PSNR, SSIM, LPIPS: weights fetched on first use)."""
     from gstrain.evaluate import evaluate_run
 
     metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ def evaluate_run(
         raise UserError(f"{run.scene_path} has no held-out views (data.test_every={run.cfg.data.test_every})")
     out_dir = run_dir / "renders" / "test"
     make_dir(out_dir)
-    metrics = Metrics(dev)
+    # LPIPS weights are fetched on first use unless GSTRAIN_OFFLINE=1 (the test suite sets it)
+    metrics = Metrics(dev, lpips_download=os.environ.get("GSTRAIN_OFFLINE", "") != "1")
     with torch.no_grad():
         for view in scene.test:
             image, _, _ = renderer(

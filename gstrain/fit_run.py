@@ -31,14 +31,15 @@ class FitRequest:
 
 
 def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
-    from gstrain.data.colmap import load_scene
+    from gstrain.data.inputs import load_scene
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     try:
-        loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append)
+        loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append,
+                            background=cfg.data.background)
     except KeyboardInterrupt:
         log("gstrain: interrupted while loading the scene; nothing was written")
         raise
-    if len(loaded.points) == 0 and cfg.model.init != "random":
+    if len(loaded.points) == 0 and cfg.model.init != "random" and loaded.points_expected:
         raise UserError(
             f"the sparse model in {scene} has no 3D points; pass --set model.init=random to start from random points"
         )

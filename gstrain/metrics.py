@@ -1,4 +1,4 @@
-"""Image-quality metrics: PSNR, SSIM (the 3DGS definition) and, when it can run offline, LPIPS.
+"""Image-quality metrics: PSNR, SSIM (the 3DGS definition) and LPIPS (when its weights are here).
 
 Low level on purpose: the trainer (its test evaluations), the losses (SSIM) and `gstrain eval`
 all import from here, and this module imports nothing of theirs. Images are [H, W, C] (or
@@ -7,14 +7,14 @@ all import from here, and this module imports nothing of theirs. Images are [H, 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from gstrain.lpips_net import WEIGHT_FILES, build_lpips, fetch_weights, missing_line, weight_paths
 
 SSIM_WINDOW = 11  # the 3DGS SSIM: an 11x11 Gaussian window of sigma 1.5
 SSIM_SIGMA = 1.5
@@ -118,62 +118,37 @@ def metric_target(
     return gt, keep
 
 
-# torchvision checkpoint file that lpips' backbone loads through torch.hub, per network.
-LPIPS_BACKBONE_FILES = {
-    "alex": "alexnet-owt-7be5be79.pth",
-    "vgg": "vgg16-397923af.pth",
-}
-
 LpipsFn = Callable[[Tensor, Tensor], Tensor]
 
 _lpips_cache: dict[tuple[str, str, str], LpipsFn] = {}
 
 
-def lpips_backbone_path(net: str = "alex") -> Path:
-    """Where torch.hub keeps the backbone weights lpips needs for `net`."""
-    return Path(torch.hub.get_dir()) / "checkpoints" / LPIPS_BACKBONE_FILES[net]
+def load_lpips(
+    device: torch.device | str, net: str = "alex", download: bool = False
+) -> tuple[LpipsFn | None, str | None]:
+    """(fn, None) with fn(img, gt) -> scalar LPIPS, or (None, one-line reason) when it cannot run.
 
-
-def load_lpips(device: torch.device | str, net: str = "alex") -> tuple[LpipsFn | None, str | None]:
-    """(fn, None) with fn(img, gt) -> scalar LPIPS, or (None, one-line reason) when it cannot run offline.
-
-    Never downloads: the backbone weights must already be in torch hub's cache before anything
-    is constructed (lpips ships its own linear-layer weights). Any failure is a reason, not a crash.
+    The weights come from torch.hub's cache (gstrain/lpips_net.py); download=True fetches missing
+    ones first (gstrain eval, when online), else nothing touches the network. Any failure is a
+    reason, not a crash, so PSNR and SSIM are still written.
     """
-    if net not in LPIPS_BACKBONE_FILES:
-        return None, f"unknown LPIPS network '{net}' (choose from {', '.join(LPIPS_BACKBONE_FILES)})"
-    try:
-        import lpips  # optional, not one of our dependencies
-    except ImportError as e:
-        if e.name == "lpips":
-            return None, "lpips package not installed"
-        return None, f"lpips package cannot be imported ({e})"
-    except Exception as e:  # a broken install must not break evaluation
-        return None, f"lpips package cannot be imported ({type(e).__name__}: {e})"
-
-    weights = lpips_backbone_path(net)
-    if not weights.is_file():
-        return None, f"LPIPS backbone weights not cached offline ({weights} missing)"
-
-    key = (str(torch.device(device)), net, str(weights))
+    if net not in WEIGHT_FILES:
+        return None, f"unknown LPIPS network '{net}' (choose from {', '.join(WEIGHT_FILES)})"
+    paths = weight_paths(net)
+    if not all(p.is_file() for p in paths):
+        reason = fetch_weights(net) if download else missing_line(net)
+        if reason is not None:
+            return None, reason
+    key = (str(torch.device(device)), net, str(paths[0]))
     if key in _lpips_cache:
         return _lpips_cache[key], None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchvision's 'pretrained' deprecation chatter
-            model = lpips.LPIPS(net=net, verbose=False).to(device).eval()
-    except Exception as e:
-        return None, f"LPIPS could not be set up ({type(e).__name__}: {e})"
-    for p in model.parameters():
-        p.requires_grad_(False)
-
-    def fn(img: Tensor, gt: Tensor) -> Tensor:
-        # lpips takes [B,3,H,W]; normalize=True maps [0,1] to its [-1,1] input range.
-        a = img.permute(2, 0, 1).unsqueeze(0)
-        b = gt.permute(2, 0, 1).unsqueeze(0)
-        with torch.no_grad():
-            return model(a, b, normalize=True).mean()
-
+        fn = build_lpips(net, device)
+    except Exception as e:  # a truncated or foreign weight file; torch.load's reasons run to many lines
+        reason = " ".join(str(e).split())
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        names = " and ".join(p.name for p in paths)
+        return None, f"LPIPS could not be set up from {names} in {paths[0].parent} ({type(e).__name__}: {reason})"
     _lpips_cache[key] = fn
     return fn, None
 
@@ -181,13 +156,15 @@ def load_lpips(device: torch.device | str, net: str = "alex") -> tuple[LpipsFn |
 class Metrics:
     """Accumulates per-image PSNR / SSIM / LPIPS and reports their means."""
 
-    def __init__(self, device: torch.device | str, lpips: bool = True, lpips_net: str = "alex") -> None:
+    def __init__(
+        self, device: torch.device | str, lpips: bool = True, lpips_net: str = "alex", lpips_download: bool = False
+    ) -> None:
         self.device = torch.device(device)
         self.per_image: list[dict[str, float | None]] = []
         self._lpips: LpipsFn | None = None
         self.lpips_note: str | None = "LPIPS disabled"
         if lpips:
-            self._lpips, self.lpips_note = load_lpips(self.device, lpips_net)
+            self._lpips, self.lpips_note = load_lpips(self.device, lpips_net, download=lpips_download)
 
     @torch.no_grad()
     def add(self, img: Tensor, gt: Tensor, keep: Tensor | None = None) -> dict[str, float | None]:

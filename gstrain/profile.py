@@ -91,7 +91,7 @@ def load_workload(
 ) -> Workload:
     """A COLMAP scene (Gaussians from its SfM points), a trained run (its last checkpoint), or a
     test_garden-style .npz (means3d, colors, viewmats, Ks, width, height)."""
-    from gstrain.data.colmap import load_scene
+    from gstrain.data.inputs import load_scene
     from gstrain.model import init_gaussians
     from gstrain.run_dir import is_run_dir, open_run, run_scene
 
@@ -101,9 +101,10 @@ def load_workload(
         return _npz_workload(target, cfg, device, npz_scale)
     if is_run_dir(target):
         run = open_run(target, load_views=factor is None, renderer=False)
-        scene = run.scene or load_scene(run_scene(target, run.meta), factor=factor)
+        scene = run.scene or load_scene(run_scene(target, run.meta), factor=factor, background=run.cfg.data.background)
         return _views_workload(target.name, run.params, scene.train, scene.extent, run.sh_degree, device)
-    scene = load_scene(target, factor=factor or cfg.data.factor, test_every=cfg.data.test_every)
+    scene = load_scene(target, factor=factor or cfg.data.factor, test_every=cfg.data.test_every,
+                       background=cfg.data.background)
     if len(scene.points) == 0:
         raise UserError(f"the sparse model in {target} has no 3D points to profile with")
     params = init_gaussians(scene.points, scene.point_colors, sh_degree=cfg.model.sh_degree,

@@ -232,9 +232,10 @@ def open_run(
     sh_degree = sh_degree_at(step, cfg.train.sh_degree_interval, cfg.model.sh_degree, stored_degree)
     scene = None
     if scene_path is not None:
-        from gstrain.data.colmap import load_scene
+        from gstrain.data.inputs import load_scene
 
-        scene = load_scene(scene_path, factor=cfg.data.factor, test_every=cfg.data.test_every)
+        scene = load_scene(scene_path, factor=cfg.data.factor, test_every=cfg.data.test_every,
+                           background=cfg.data.background)
     dev, rend, background = None, None, None
     params_device = "cpu"
     if renderer:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# gstrain eval fetches LPIPS weights on first use; tests never download (subprocesses inherit this)
+os.environ["GSTRAIN_OFFLINE"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

@@ -6,31 +6,23 @@ Distorted cameras are undistorted to PINHOLE with pycolmap; images are downscale
 
 from __future__ import annotations
 
-import copy
 import numbers
 import os
-import struct
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pycolmap
-import torch
-from PIL import Image
 
+from gstrain.data.images import IMAGE_SUFFIXES, PINHOLE_MODELS, ViewLoader, ViewSource
 from gstrain.data.masks import MaskReader, mask_note
 from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
 
-_PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")
 _MODEL_FILES = ("cameras", "images", "points3D")
-# What PIL raises on bad image files (SyntaxError and struct.error come from some PNG/TIFF parsers).
-_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
-_GREY_MODES = ("L", "LA", "La", "1")
-_DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
 
 def load_scene(
@@ -38,8 +30,12 @@ def load_scene(
     factor: int = 1,
     test_every: int = 8,
     log: Callable[[str], None] | None = None,
+    background: Sequence[float] | None = None,
 ) -> Scene:
     """Read a COLMAP scene: posed, undistorted, downscaled views split into train/test, plus SfM points.
+
+    background is not used: a COLMAP image's alpha channel is its mask (data/masks.py), not
+    something to composite (the registry, data/inputs.py, passes it to every format).
 
     Test views: images sorted by name, index i with i % test_every == 0 (none when test_every <= 0).
     Raises UserError with one line for any problem with the input.
@@ -72,11 +68,14 @@ def load_scene(
     # pycolmap's undistortion holds the GIL; PIL decoding and resizing do not, so threads still help.
     workers = max(1, min(8, os.cpu_count() or 1))
     masks = MaskReader(root, image_dir)
-    loader = _ViewLoader(image_dir, factor, from_small_dir, masks)
+    loader = ViewLoader(factor, from_small_dir, masks)
+    sources = [
+        ViewSource(im.name, image_dir / im.name, im.camera, im.cam_from_world().matrix()) for im in images
+    ]
     say(f"loading {len(images)} images from {image_dir} (factor {factor})")
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(loader.load, images))
+        results = list(pool.map(loader.load, sources))
     say(f"loaded {len(images)} images in {time.perf_counter() - start:.1f} s")
     views = [view for view, _ in results]
 
@@ -91,7 +90,7 @@ def load_scene(
         notes.append(masked)
 
     points, colors = _read_points(rec)
-    extent = _camera_extent(views, points)
+    extent = camera_extent(views, points)
 
     if test_every > 0:
         test = [v for i, v in enumerate(views) if i % test_every == 0]
@@ -100,6 +99,14 @@ def load_scene(
         test, train = [], views
     # Notes are not logged here: callers show them (the CLI prints log lines and notes alike).
     return Scene(train=train, test=test, points=points, point_colors=colors, extent=extent, notes=notes)
+
+
+def recognise(root: Path) -> bool:
+    """Whether root looks like a COLMAP scene: any sparse model file in sparse/0 or sparse."""
+    return any(
+        (cand / f"{name}{ext}").is_file()
+        for cand in (root / "sparse" / "0", root / "sparse") for name in _MODEL_FILES for ext in (".bin", ".txt")
+    )
 
 
 def find_model_dir(root: Path) -> Path:
@@ -133,7 +140,7 @@ def _check_cameras(rec: pycolmap.Reconstruction, images: list[pycolmap.Image], m
         cam = rec.cameras[cam_id]
         if cam.width <= 0 or cam.height <= 0 or not cam.verify_params():
             raise UserError(f"camera {cam_id} ({cam.model_name}) in {model_dir} has invalid size or params")
-        if cam.model_name in _PINHOLE_MODELS:
+        if cam.model_name in PINHOLE_MODELS:
             continue
         try:
             pycolmap.undistort_camera(options, cam)
@@ -172,135 +179,12 @@ def _pick_image_dir(
     return image_dir, False
 
 
-class _ViewLoader:
-    """Decodes, downscales and undistorts one image; safe to call from several threads."""
-
-    def __init__(self, image_dir: Path, factor: int, prescaled: bool, masks: MaskReader) -> None:
-        self.image_dir = image_dir
-        self.masks = masks
-        self.factor = factor
-        self.prescaled = prescaled
-        self.options = pycolmap.UndistortCameraOptions()
-        # name -> (file size, camera size) of images that did not match their camera
-        self.size_mismatch: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
-        self.alpha: list[str] = []  # images whose alpha channel was dropped
-        self.grey: list[str] = []  # single-channel images spread to RGB
-
-    def notes(self) -> list[str]:
-        """One line per thing done to the images that the user did not ask for."""
-        out = []
-        if self.alpha:
-            out.append(f"{len(self.alpha)} images have an alpha channel (e.g. {min(self.alpha)}); "
-                       "where masks/ has no file for them, alpha is their mask (alpha < 0.5 is left out)")
-        if self.grey:
-            out.append(f"{len(self.grey)} images are grayscale (e.g. {min(self.grey)}); "
-                       "their grey is used for all three colour channels")
-        if self.size_mismatch:
-            name = min(self.size_mismatch)
-            (w, h), (cw, ch) = self.size_mismatch[name]
-            if self.prescaled:
-                what = f"intrinsics scaled to the images (not exactly 1/{self.factor} of the camera)"
-            else:
-                what = "resized to the camera's size before training (intrinsics kept)"
-            out.append(f"{len(self.size_mismatch)} images differ in size from their COLMAP camera "
-                       f"(e.g. {name}: {w}x{h}, camera {cw}x{ch}); {what}")
-        return out
-
-    def load(self, image: pycolmap.Image) -> tuple[View, str | None]:
-        """The view, and the distorted model name when it was undistorted (else None)."""
-        file = self.image_dir / image.name
-        pil, mode = _decode(file)
-        if mode in _ALPHA_MODES:
-            self.alpha.append(image.name)
-        if mode in _GREY_MODES:
-            self.grey.append(image.name)
-        cam: pycolmap.Camera = copy.copy(image.camera)
-        w, h = pil.size
-        # Images and cameras must agree on aspect ratio; more than ~2 px off means the wrong files.
-        sx, sy = w / cam.width, h / cam.height
-        if abs(sx - sy) * max(cam.width, cam.height) > 2.0:
-            raise UserError(
-                f"image {file} is {w}x{h} but its COLMAP camera is {cam.width}x{cam.height} "
-                "(aspect ratios differ)"
-            )
-        if self.prescaled:
-            target = (w, h)  # images_<factor>/ is used as it is; the camera follows its actual size
-            if max(abs(w - cam.width / self.factor), abs(h - cam.height / self.factor)) > 1.0:
-                self.size_mismatch[image.name] = ((w, h), (cam.width, cam.height))
-        else:
-            if (w, h) != (cam.width, cam.height):
-                self.size_mismatch[image.name] = ((w, h), (cam.width, cam.height))
-            target = (max(1, round(cam.width / self.factor)), max(1, round(cam.height / self.factor)))
-        if (w, h) != target:
-            # Area averaging (BOX) is the antialiased downscale; K follows the actual size ratio.
-            pil = pil.resize(target, Image.Resampling.BOX)
-        pixels = np.asarray(pil)
-
-        camera_size = (cam.width, cam.height)
-        distorted = cam.model_name not in _PINHOLE_MODELS
-        if distorted:
-            # Downscale first, then undistort with the rescaled camera: same result as the other order
-            # within ~1/255 mean abs (checked on the beer scene), and factor^2 less undistortion work.
-            cam.rescale(target[0], target[1])
-            try:
-                out, pin = pycolmap.undistort_image(self.options, pycolmap.Bitmap.from_array(pixels), cam)
-            except Exception as exc:
-                raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
-            pixels = np.ascontiguousarray(out.to_array()).reshape(pin.height, pin.width, -1)
-            K = pin.calibration_matrix()
-        else:
-            K = cam.calibration_matrix().copy()
-            # COLMAP puts the top-left pixel centre at (0.5, 0.5), so plain scaling keeps centres aligned.
-            K[0, :] *= target[0] / cam.width
-            K[1, :] *= target[1] / cam.height
-
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
-        if pixels.shape[2] == 1:
-            pixels = np.repeat(pixels, 3, axis=2)
-
-        # masks: same resize and undistortion as the image (data/masks.py)
-        mask = self.masks.load(image.name, file, (w, h), camera_size, target, cam if distorted else None)
-        viewmat = np.eye(4)
-        viewmat[:3, :] = image.cam_from_world().matrix()
-        view = View(
-            name=image.name,
-            image=torch.from_numpy(np.array(pixels[:, :, :3], dtype=np.uint8, order="C")),
-            K=torch.from_numpy(K.astype(np.float32)),
-            viewmat=torch.from_numpy(viewmat.astype(np.float32)),
-            mask=mask,
-        )
-        return view, (image.camera.model_name if distorted else None)
-
-
-def _decode(file: Path) -> tuple[Image.Image, str]:
-    """(RGB PIL image, the file's own mode: alpha dropped, grey expanded), or UserError if the
-    file cannot be decoded. A palette image with a transparent colour counts as "RGBA"."""
-    try:
-        with Image.open(file) as img:
-            img.load()
-            mode = "RGBA" if img.mode == "P" and "transparency" in img.info else img.mode
-            if img.mode.startswith("I;16") or img.mode in ("I", "F"):
-                # 16-bit/float grey: PIL's convert("RGB") clips these, so scale to 8 bits ourselves.
-                arr = np.asarray(img, dtype=np.float64)
-                peak = 65535.0 if img.mode != "F" else max(float(arr.max()), 1.0)
-                grey = np.clip(arr / peak * 255.0 + 0.5, 0, 255).astype(np.uint8)
-                return Image.fromarray(grey).convert("RGB"), "L"
-            return img.convert("RGB"), mode
-    except _DECODE_ERRORS as exc:
-        reason = str(exc).replace(f" '{file}'", "").strip() or type(exc).__name__
-        raise UserError(f"cannot decode image {file}: {reason}") from None
-
-
-_IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp"}
-
-
 def _unlisted_note(image_dir: Path, rec: pycolmap.Reconstruction) -> list[str]:
     """A note for image files the sparse model does not list: they have no pose and are not used."""
     listed = {im.name for im in rec.images.values()}
     extra = sorted(
         p.relative_to(image_dir).as_posix() for p in image_dir.rglob("*")
-        if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file() and p.relative_to(image_dir).as_posix() not in listed
+        if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file() and p.relative_to(image_dir).as_posix() not in listed
     )
     if not extra:
         return []
@@ -317,7 +201,7 @@ def _read_points(rec: pycolmap.Reconstruction) -> tuple[np.ndarray, np.ndarray]:
     return xyz, rgb
 
 
-def _camera_extent(views: list[View], points: np.ndarray) -> float:
+def camera_extent(views: list[View], points: np.ndarray) -> float:
     """1.1 x the largest distance of a camera centre from their mean (3DGS), with a fallback."""
     centers = np.stack([v.camera_center.double().numpy() for v in views])
     radius = float(np.linalg.norm(centers - centers.mean(axis=0), axis=1).max())

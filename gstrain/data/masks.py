@@ -27,7 +27,8 @@ _ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 class MaskReader:
     """Finds, reads, resizes and undistorts the mask of one image; safe to call from several threads."""
 
-    def __init__(self, root: Path, image_dir: Path) -> None:
+    def __init__(self, root: Path, image_dir: Path, alpha_masks: bool = True) -> None:
+        self.alpha_masks = alpha_masks  # False where alpha was composited away (data/images.py)
         self.dirs = [d for d in _mask_dirs(root, image_dir) if d.is_dir()]
         self.index = [_index(d) for d in self.dirs]
         self.options = pycolmap.UndistortCameraOptions()
@@ -60,7 +61,7 @@ class MaskReader:
         if file is not None:
             weight = _read_mask_file(file, raw_size, camera_size, image_file)
         else:
-            weight = _read_alpha(image_file)
+            weight = _read_alpha(image_file) if self.alpha_masks else None
             if weight is None:
                 return None
         if weight.shape[::-1] != target:

@@ -44,3 +44,7 @@ class Scene:
     point_colors: np.ndarray  # [P, 3] uint8
     extent: float  # radius of the camera centres around their mean, times 1.1 (3DGS convention)
     notes: list[str] = field(default_factory=list)  # things the user should be told (undistortion, ...)
+    # False where the input format has no SfM cloud of its own (transforms.json; its ply_file_path is
+    # optional): no points then means "start from random points in the view volume", not "the SfM
+    # failed", and model.init=random draws there too (train/trainer.py)
+    points_expected: bool = True

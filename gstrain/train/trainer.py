@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from gstrain.config import Config
 from gstrain.data.scene import Scene, View
+from gstrain.data.view_volume import view_volume_points
 from gstrain.errors import UserError
 from gstrain.metrics import Metrics, metric_target, psnr
 from gstrain.model import init_gaussians, random_points, save_ply
@@ -83,14 +84,17 @@ class Trainer:
         cfg, scene = self.cfg.model, self.scene
         points, colors = scene.points, scene.point_colors
         if cfg.init == "random" or len(points) == 0:
-            if cfg.init != "random":
+            if cfg.init != "random" and scene.points_expected:
                 raise UserError(
                     "the sparse model has no 3D points; pass --set model.init=random to start from random points"
                 )
-            centers = np.stack([v.camera_center.numpy() for v in scene.train])
-            points, colors = random_points(
-                cfg.init_points, centers.mean(axis=0), scene.extent, seed=self.cfg.train.seed
-            )
+            if scene.points_expected:  # a ball around the cameras (unchanged, so runs repeat)
+                centers = np.stack([v.camera_center.numpy() for v in scene.train])
+                points, colors = random_points(
+                    cfg.init_points, centers.mean(axis=0), scene.extent, seed=self.cfg.train.seed
+                )
+            else:  # a format without a point cloud (transforms.json): where the cameras look
+                points, colors = view_volume_points(scene.train, cfg.init_points, scene.extent, self.cfg.train.seed)
             self.log(f"gstrain: initialising {cfg.init_points} random Gaussians (no SfM points used)")
         return init_gaussians(
             points, colors, sh_degree=cfg.sh_degree, init_opacity=cfg.init_opacity,

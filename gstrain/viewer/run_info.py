@@ -38,7 +38,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_run_info(run: Path, log=print) -> RunInfo:
     """Everything the viewer needs from a run folder; UserError (one line) if it is not a trained run."""
-    from gstrain.data.colmap import load_scene
+    from gstrain.data.inputs import load_scene
     from gstrain.errors import UserError
     from gstrain.run_dir import open_run, run_scene
 
@@ -49,7 +49,8 @@ def load_run_info(run: Path, log=print) -> RunInfo:
         psnr = _read_json(run / "train_summary.json").get("final_test_psnr")
     scene, note = None, None
     try:
-        scene = load_scene(run_scene(run, opened.meta), factor=cfg.data.factor, test_every=cfg.data.test_every)
+        scene = load_scene(run_scene(run, opened.meta), factor=cfg.data.factor, test_every=cfg.data.test_every,
+                           background=cfg.data.background)
     except UserError as exc:
         note = f"cameras not shown: {exc}"
         log(f"gstrain: {note}")
