@@ -152,11 +152,11 @@ def test_modes_and_thresholds_agree() -> None:
 
 
 def test_forward_is_deterministic_and_writes_every_pixel() -> None:
-    from gstrain.render.cuda import ensure_built
+    from gstrain import extensions
 
     s = make_scene(200, 53, 29, seed=50, channels=3, background=True)
     offsets, flatten_ids = intersect(s)
-    ext = ensure_built()
+    ext = extensions.raster()
     args = (
         s.means2d,
         s.conics,

@@ -312,7 +312,7 @@ def test_render_cuda_with_and_without_cull(mode: str) -> None:
 def kernel_and_oracle(sp: dict[str, Tensor], width: int, height: int):
     from gsplat import isect_offset_encode, isect_tiles
 
-    from gstrain.render.cuda import ensure_built
+    from gstrain import extensions
     from gstrain.render.isect import culled_intersection
 
     g = {k: v.cuda() for k, v in sp.items()}
@@ -321,7 +321,7 @@ def kernel_and_oracle(sp: dict[str, Tensor], width: int, height: int):
     _, isect_ids, flat = isect_tiles(g["means2d"], g["radii"], g["depths"], TILE, tw, th, n_images=cams)
     offsets = isect_offset_encode(isect_ids, cams, tw, th)
     oracle = cull_pairs(g["means2d"], g["conics"], g["opacities"], offsets, flat, width, height, TILE)
-    ours = culled_intersection(ensure_built(), g["means2d"], g["radii"], g["depths"], g["conics"], g["opacities"],
+    ours = culled_intersection(extensions.raster(), g["means2d"], g["radii"], g["depths"], g["conics"], g["opacities"],
                                width, height, TILE)  # fmt: skip
     return ours, oracle, flat.numel()
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from gstrain import extensions
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.metrics import ssim_conv
-from gstrain.train import fused_ssim as fused_mod
-from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim
-from gstrain.train.losses import photometric_loss, training_loss_for
+from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim, training_loss_for
+from gstrain.train.losses import photometric_loss
 from gstrain.train.trainer import Trainer
 
 VALUE_TOL = 1e-5  # relative error of the mean SSIM
@@ -192,7 +192,7 @@ class TestFusedSsimCuda:
 
 def test_loss_choice_by_device_and_flag_builds_only_for_the_fused_one(monkeypatch):
     builds = []
-    monkeypatch.setattr(fused_mod, "ensure_built", lambda: builds.append(1))
+    monkeypatch.setattr(extensions, "ssim", lambda: builds.append(1))
     assert training_loss_for(torch.device("cuda"), True) is fused_photometric_loss and builds == [1]
     assert training_loss_for(torch.device("cuda", 0), True) is fused_photometric_loss and builds == [1, 1]
     assert training_loss_for(torch.device("cuda"), False) is photometric_loss

@@ -41,7 +41,8 @@ def _splats(scene):
 
 
 def test_capped_intersection_equals_the_synced_one(demo_scene):
-    from gstrain.render.cuda import ensure_built, project_splats
+    from gstrain import extensions
+    from gstrain.render.cuda import project_splats
     from gstrain.render.isect import PairBudget, capped_intersection
 
     scene = load_scene(demo_scene)
@@ -61,7 +62,7 @@ def test_capped_intersection_equals_the_synced_one(demo_scene):
             assert budget.pair_sum.tolist() == [before, kept, kept]
         # too small: the flag takes the step's tag, the record is not counted, the peak is
         budget = PairBudget.on(torch.device("cuda"), kept - 7, tag=torch.tensor([12.0], device="cuda"))
-        small = capped_intersection(ensure_built(), ref.means2d, ref.radii, ref.depths, ref.conics, ref.opacities,
+        small = capped_intersection(extensions.raster(), ref.means2d, ref.radii, ref.depths, ref.conics, ref.opacities,
                                     view.width, view.height, 16, budget)  # fmt: skip
         assert int(budget.flag) == 12 and int(small.n_isects) == kept - 7
         assert budget.pair_sum.tolist() == [0, 0, kept]

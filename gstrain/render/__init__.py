@@ -46,10 +46,10 @@ class Renderer:
         self.tuner = None
         self._tuned_count: int | None = None  # population when ARC last started a round
         if backend == "cuda":
+            from gstrain import extensions
             from gstrain.render.arc import ArcTuner
-            from gstrain.render.cuda import ensure_built
 
-            ensure_built()
+            extensions.raster()
             if cfg.atomic_mode == "arc":  # one tuner per renderer: its own scene, sizes and population
                 self.tuner = ArcTuner()
         # backend gsplat is gsplat's own pipeline (the comparisons' baseline): its intersection and SH too

@@ -23,7 +23,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
-from gstrain.train.losses import training_loss_for
+from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategies.base import Strategy
 from gstrain.train.timing import PhaseTimer

@@ -74,15 +74,16 @@ class FastStatsStrategy(GsplatDefaultStrategy):
         radii = info["radii"].reshape(cams, n, 2)
         grads = grads.reshape(cams, n, 2)
         if grads.is_cuda:
-            from gstrain.train.step_ops import ensure_built
+            from gstrain import extensions
 
             size = info.get("valid_size")  # a render on a canvas: the view's size is on the device
             if size is not None:
                 scale_x = scale_y = 0.5 * cams
             for c in range(cams):
-                ensure_built().grad2d_stats(grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(),
-                                            scale_x, scale_y, state["grad2d"], state["count"],
-                                            self.skip_flag, size)  # fmt: skip
+                extensions.step_ops().grad2d_stats(
+                    grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(), scale_x, scale_y,
+                    state["grad2d"], state["count"], self.skip_flag, size,
+                )  # fmt: skip
             return None
         visible = (radii > 0).all(dim=-1)
         scaled = grads.clone()
