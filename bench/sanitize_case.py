@@ -21,6 +21,7 @@ import torch
 def main() -> int:
     from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
 
+    from gstrain.choices import ATOMIC_MODES
     from gstrain.render.arc import ArcTuner
     from gstrain.render.cuda import rasterize_cuda
 
@@ -42,7 +43,7 @@ def main() -> int:
     offsets = isect_offset_encode(isect_ids, n_cams, tw, th)
     opac = (0.05 + 0.9 * torch.rand(n_cams, n, generator=gen)).cuda()
 
-    runs = [(mode, vector, 3) for mode in ("atomic", "warp", "distwar", "arc") for vector in (False, True)]
+    runs = [(mode, vector, 3) for mode in ATOMIC_MODES for vector in (False, True)]
     runs += [("distwar", True, 5), ("distwar", False, 40)]
     for mode, vector, ch in runs:
         m2 = means2d.detach().clone().requires_grad_(True)

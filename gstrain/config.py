@@ -15,21 +15,19 @@ from typing import Any
 
 import yaml
 
+from gstrain.choices import (
+    ATOMIC_MODES,
+    BACKENDS,
+    COMPRESSIONS,
+    DEVICES,
+    DIST_BACKENDS,
+    INIT_MODES,
+    MASK_MODES,
+    PARTITIONS,
+)
 from gstrain.errors import UserError
 from gstrain.files import write_text_atomic
 from gstrain.train.strategies.registry import STRATEGY_NAMES
-
-# The rasterizer: our CUDA kernels, the PyTorch reference, or gsplat's own rasterize_to_pixels
-# (forward and backward: the peer we measure against). auto: cuda on a GPU, reference on the CPU.
-BACKENDS = ("auto", "reference", "cuda", "gsplat")
-# How our CUDA backward reduces gradients (the only choice it has; nothing else differs).
-ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
-DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the one list
-MASK_MODES = ("ignore", "background")
-PARTITIONS = ("locality", "random", "round_robin", "views")  # gstrain.dist.partition.PARTITIONS
-COMPRESSIONS = ("none", "fp16")
-DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -287,8 +285,8 @@ def validate(cfg: Config) -> Config:
     choice(cfg.render.backend, BACKENDS, "render.backend")
     check_atomic_mode(cfg.render.atomic_mode)
     choice(cfg.train.device, DEVICES, "train.device")
-    choice(cfg.strategy.name, STRATEGIES, "strategy.name")
-    choice(cfg.model.init, ("sfm", "random"), "model.init")
+    choice(cfg.strategy.name, STRATEGY_NAMES, "strategy.name")
+    choice(cfg.model.init, INIT_MODES, "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gstrain.config import ATOMIC_MODES, Config, build_config, check_atomic_mode
+from gstrain.choices import ATOMIC_MODES, PROFILE_BACKENDS
+from gstrain.config import Config, build_config, check_atomic_mode
 from gstrain.errors import UserError
 
 GSPLAT_COLUMN = "gsplat"  # render.backend=gsplat: gsplat's rasterizer, the peer we compare with
 PROFILE_COLUMNS = (*ATOMIC_MODES, GSPLAT_COLUMN)
-PROFILE_BACKENDS = ("cuda", "gsplat", "all")
 STEP_PHASES = ("forward", "loss", "backward", "optimizer", "densify")
 # `--switches`: each speed feature and the value that turns it off (the baseline has all off).
 SWITCHES = {

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from gstrain.choices import ATOMIC_MODES
 from gstrain.render.alpha_bound import min_sigma_on_rect
 from gstrain.render.cull import cull_pairs, keep_mask, pair_tiles
 
@@ -244,7 +245,7 @@ def test_the_switch_is_on_by_default_and_reaches_the_renderer() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["atomic", "warp", "distwar", "arc", "gsplat"])
+@pytest.mark.parametrize("mode", [*ATOMIC_MODES, "gsplat"])
 def test_render_cuda_with_and_without_cull(mode: str) -> None:
     """Our kernels in every atomic mode (and gsplat's rasterizer) give the same image and
     gradients with the cull as without it, and the reference's; pytest -s prints the pair counts."""

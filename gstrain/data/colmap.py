@@ -21,15 +21,14 @@ import pycolmap
 import torch
 from PIL import Image
 
-from gstrain.data.masks import MaskReader, mask_note
+from gstrain.data.masks import ALPHA_MODES, MaskReader, mask_note
 from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
 
 _PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")
 _MODEL_FILES = ("cameras", "images", "points3D")
-# What PIL raises on bad image files (SyntaxError and struct.error come from some PNG/TIFF parsers).
-_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _GREY_MODES = ("L", "LA", "La", "1")
+# What PIL raises on bad image files (SyntaxError and struct.error come from some PNG/TIFF parsers).
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
 
@@ -210,7 +209,7 @@ class _ViewLoader:
         """The view, and the distorted model name when it was undistorted (else None)."""
         file = self.image_dir / image.name
         pil, mode = _decode(file)
-        if mode in _ALPHA_MODES:
+        if mode in ALPHA_MODES:
             self.alpha.append(image.name)
         if mode in _GREY_MODES:
             self.grey.append(image.name)

@@ -1,5 +1,5 @@
 """render(params, view) -> (image, alpha, info), on our CUDA kernels, gsplat's rasterizer or the
-PyTorch reference (render.backend; config.BACKENDS).
+PyTorch reference (render.backend; choices.BACKENDS).
 
 `info` carries what gsplat's strategies read: means2d (the tensor whose gradient they collect),
 radii, width, height, n_cameras.
@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 
+from gstrain.choices import CUDA_BACKENDS
 from gstrain.config import RenderConfig
 from gstrain.errors import UserError
 from gstrain.render.common import RasterOptions
 
-# backends that run gsplat's projection and a CUDA rasterizer (ours or gsplat's)
-CUDA_BACKENDS = ("cuda", "gsplat")
 RETUNE_CHANGE = 0.2  # ARC re-tunes after densification once the population moved by this fraction
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gstrain import extensions
-from gstrain.config import ATOMIC_MODES
+from gstrain.choices import ATOMIC_MODES
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strategy_info
