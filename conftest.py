@@ -1,4 +1,5 @@
-"""Shared test setup: the `cuda` marker skips cleanly where no GPU is present."""
+"""Test setup shared by tests/ and bench/tests/ (here at the root, so that neither imports the
+other): the `cuda` marker skips cleanly where no GPU is present, and the scenes tests read."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
