@@ -23,12 +23,12 @@ def graph_trainer(scene: Scene, root: Path, name: str, graphs: bool, mode: str =
     """A CUDA trainer in root/name, with or without graph steps, refining every 10 steps from
     `refine_start` and resetting opacities every 15, its step timing left off."""
     cfg = build_config(overrides=[{
-        "train": {"steps": 500, "cuda_graphs": graphs, "device": "cuda"},
+        "train": {"steps": 500, "device": "cuda"}, "dev": {"cuda_graphs": graphs},
         "render": {"atomic_mode": mode},
         "strategy": {"refine_start": refine_start, "refine_every": 10, "reset_every": 15},
     }])  # fmt: skip
     trainer = Trainer(cfg, scene, root / name, torch.device("cuda"), log=lambda m: None)
-    trainer.timer.enabled = False  # the loop sets it per step (log.time_every); timed steps run eagerly
+    trainer.timer.enabled = False  # the loop sets it per step (dev.time_every); timed steps run eagerly
     return trainer
 
 

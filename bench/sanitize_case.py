@@ -5,7 +5,7 @@ Run by bench/gpu_tests.sh as
 (no caching allocator, so an access past a tensor's end leaves its own allocation and is seen).
 Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
 channel counts that take the direct (3), padded (5) and chunked (40) paths; then the culled
-tile intersection (render.ellipse_cull) on the same cameras, the training-step kernels, and a
+tile intersection (dev.ellipse_cull) on the same cameras, the training-step kernels, and a
 step's kernels on a canvas (the device-sized projection, intersection, loss and statistics), and
 the fused SH colours at every degree.
 """
@@ -91,7 +91,7 @@ def sh_colors_case(gen: torch.Generator) -> int:
 
 
 def culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height) -> int:
-    """The culled intersection kernels (render.ellipse_cull) on the same two cameras."""
+    """The culled intersection kernels (dev.ellipse_cull) on the same two cameras."""
     from gstrain import extensions
     from gstrain.render.cull import cull_pairs
     from gstrain.render.isect import culled_intersection

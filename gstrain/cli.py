@@ -60,7 +60,7 @@ def _flag_overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "factor": ("data", "factor"),
         "backend": ("render", "backend"),
         "atomic_mode": ("render", "atomic_mode"),
-        "atomic_threshold": ("render", "atomic_threshold"),
+        "atomic_threshold": ("dev", "atomic_threshold"),
         "threads": ("train", "threads"),
     }
     out: dict[str, dict[str, Any]] = {}
@@ -105,7 +105,9 @@ def fit(
     atomic_mode: Annotated[
         str | None, typer.Option(help=f"Backward reduction of our CUDA rasterizer: {_one_of(ATOMIC_MODES)}.")
     ] = None,
-    atomic_threshold: Annotated[int | None, typer.Option(help="distwar's lane threshold T (1..32).")] = None,
+    atomic_threshold: Annotated[
+        int | None, typer.Option(help="distwar's lane threshold T (1..32; dev.atomic_threshold).")
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads for torch (0: auto; train.threads).")] = None,
     allow_older_checkpoint: AllowOlderOpt = False,
     set_: SetOpt = None,

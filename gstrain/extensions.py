@@ -41,7 +41,7 @@ def ssim() -> ModuleType:
     """gstrain_ssim: the fused SSIM and L1 + SSIM loss, forward and backward."""
     return load_extension(
         "gstrain_ssim", _SSIM_SOURCES, _SSIM_HEADERS,
-        what="the fused SSIM kernel", alternative="set train.fused_ssim=false",
+        what="the fused SSIM kernel", alternative="set dev.fused_ssim=false",
     )  # fmt: skip
 
 
@@ -50,7 +50,7 @@ def step_ops() -> ModuleType:
     return load_extension(
         "gstrain_step", _STEP_SOURCES, _STEP_HEADERS,
         what="the fused Adam / densification-statistics kernels",
-        alternative="set optim.fused_adam=false and strategy.fast_stats=false",
+        alternative="set dev.fused_adam=false and dev.fast_stats=false",
     )  # fmt: skip
 
 

@@ -130,9 +130,10 @@ def test_backend_and_atomic_mode_are_separate_choices():
 def test_saved_config_with_atomic_mode_gsplat_loads_as_backend_gsplat(tmp_path):
     """Run folders and checkpoints from before render.backend=gsplat existed still load."""
     old = Config().to_dict()
+    del old["dev"]  # those runs had no dev section: their threshold was render's
     old["render"] = {"backend": "auto", "atomic_mode": "gsplat", "atomic_threshold": 5}
     cfg = config_from_dict(old)
-    assert (cfg.render.backend, cfg.render.atomic_mode, cfg.render.atomic_threshold) == ("gsplat", "arc", 5)
+    assert (cfg.render.backend, cfg.render.atomic_mode, cfg.dev.atomic_threshold) == ("gsplat", "arc", 5)
     assert old["render"]["atomic_mode"] == "gsplat"  # the caller's dict is not modified
 
     from gstrain.run_dir import create_run_dir, load_run

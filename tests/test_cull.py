@@ -1,4 +1,4 @@
-"""Ellipse culling of (Gaussian, tile) pairs (gstrain/render/cull.py, render.ellipse_cull).
+"""Ellipse culling of (Gaussian, tile) pairs (gstrain/render/cull.py, dev.ellipse_cull).
 
 The pair lists here are built by an independent loop over CONVENTIONS' tile rule (gsplat's
 isect_tiles is CUDA only); every dropped pair is checked by brute force over its tile's pixel
@@ -232,12 +232,12 @@ def test_the_switch_is_on_by_default_and_reaches_the_renderer() -> None:
     from gstrain.errors import UserError
     from gstrain.render import Renderer
 
-    assert build_config().render.ellipse_cull is True
-    cfg = build_config(overrides=[{"render": {"ellipse_cull": False}}])
-    assert Renderer(cfg.render, torch.device("cpu")).options.ellipse_cull is False
+    assert build_config().dev.ellipse_cull is True
+    cfg = build_config(overrides=[{"dev": {"ellipse_cull": False}}])
+    assert Renderer(cfg.render, torch.device("cpu"), dev=cfg.dev).options.ellipse_cull is False
     assert Renderer(build_config().render, torch.device("cpu")).options.ellipse_cull is True
-    with pytest.raises(UserError, match="render.ellipse_cull"):
-        build_config(overrides=[{"render": {"ellipse_cull": "yes"}}])
+    with pytest.raises(UserError, match="dev.ellipse_cull"):
+        build_config(overrides=[{"dev": {"ellipse_cull": "yes"}}])
 
 
 # ---------------------------------------------------------------------------------------------

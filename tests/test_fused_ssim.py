@@ -176,7 +176,7 @@ class TestFusedSsimCuda:
         scene = load_scene(demo_scene)
         trainers = {}
         for enabled in (True, False):
-            cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
+            cfg = build_config(overrides=[{"train": {"steps": 1}, "dev": {"fused_ssim": enabled}}])
             trainers[enabled] = Trainer(cfg, scene, tmp_path / f"run_{enabled}", torch.device("cuda"),
                                         log=lambda m: None)  # fmt: skip
         # the conv trainer, built second, leaves the fused one's loss alone
@@ -203,7 +203,7 @@ def test_loss_choice_by_device_and_flag_builds_only_for_the_fused_one(monkeypatc
 
 def test_trainer_on_cpu_trains_with_the_conv_loss(demo_scene, tmp_path):
     scene = load_scene(demo_scene)
-    cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": True}}])  # asked for; the CPU cannot
+    cfg = build_config(overrides=[{"train": {"steps": 1}, "dev": {"fused_ssim": True}}])  # asked for; the CPU cannot
     trainer = Trainer(cfg, scene, tmp_path / "a", torch.device("cpu"), log=lambda m: None)
     assert trainer.runner.loss_fn is photometric_loss
 

@@ -1,4 +1,4 @@
-"""train.cuda_graphs on the GPU: the sync-free intersection equals the synced one, the device-side
+"""dev.cuda_graphs on the GPU: the sync-free intersection equals the synced one, the device-side
 Adam scalars and skip flag, and graph steps computing the eager steps' function (overflow redo
 included). Run by bench/gpu_tests.sh."""
 
@@ -233,7 +233,7 @@ def test_canvas_graph_steps_equal_eager_canvas_steps(demo_scene, tmp_path, monke
 def test_fit_with_graphs_trains_resumes_and_reports(demo_scene, tmp_path):
     run = tmp_path / "run"
     common = ("--device", "cuda", "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
-              "--set", "log.time_every=7", "--set", "train.sh_degree_interval=100")  # fmt: skip
+              "--set", "dev.time_every=7", "--set", "train.sh_degree_interval=100")  # fmt: skip
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--set", "train.stop_at=200", *common)
     assert proc.returncode == 0, proc.stderr
     initial = json.loads((run / "train_summary.json").read_text())["initial_test_psnr"]

@@ -17,6 +17,7 @@ from gsplat.strategy import DefaultStrategy
 from gsplat.strategy.ops import duplicate
 
 from gstrain.config import StrategyConfig, build_config
+from gstrain.dev_config import DevConfig
 from gstrain.train.optim import build_optimizers
 from gstrain.train.strategies import build_strategy
 from gstrain.train.strategies.default import FastStatsStrategy
@@ -65,8 +66,8 @@ def test_fast_stats_equal_gsplat_on_cpu(absgrad):
 
 
 def test_default_strategy_picks_fast_stats_by_config():
-    on = build_strategy(StrategyConfig(fast_stats=True), 1.0, torch.device("cpu"))
-    off = build_strategy(StrategyConfig(fast_stats=False), 1.0, torch.device("cpu"))
+    on = build_strategy(StrategyConfig(), 1.0, torch.device("cpu"), DevConfig(fast_stats=True))
+    off = build_strategy(StrategyConfig(), 1.0, torch.device("cpu"), DevConfig(fast_stats=False))
     assert type(on.gsplat) is FastStatsStrategy
     assert type(off.gsplat) is DefaultStrategy
 
@@ -246,7 +247,7 @@ def test_fit_with_each_switch_off_still_trains(demo_scene, tmp_path):
 
     from cli_util import run_cli
 
-    for flag in ("optim.fused_adam=false", "strategy.fast_stats=false", "optim.sparse_adam=true"):
+    for flag in ("dev.fused_adam=false", "dev.fast_stats=false", "optim.sparse_adam=true"):
         run = tmp_path / flag.split("=")[0]
         proc = run_cli("fit", demo_scene, "--out", run, "--steps", "200", "--device", "cuda", "--set", flag,
                        "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50")

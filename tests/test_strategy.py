@@ -11,6 +11,7 @@ import torch
 from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
 
 from gstrain.config import OptimConfig, StrategyConfig, build_config
+from gstrain.dev_config import DevConfig
 from gstrain.errors import UserError
 from gstrain.train.optim import build_optimizers
 from gstrain.train.strategies import build_strategy, strategy_class
@@ -55,8 +56,8 @@ def step_at(strategy: Strategy, params, optimizers, step: int) -> bool:
 
 @pytest.mark.parametrize("fast_stats", [True, False])
 def test_opacities_reset_on_schedule(fast_stats):
-    cfg = StrategyConfig(fast_stats=fast_stats, **QUIET)
-    densifier = build_strategy(cfg, scene_extent=1.0, device=torch.device("cpu"))
+    cfg = StrategyConfig(**QUIET)
+    densifier = build_strategy(cfg, scene_extent=1.0, device=torch.device("cpu"), dev=DevConfig(fast_stats=fast_stats))
     params, optimizers = make_model()
     before = params["opacities"].detach().clone()
 

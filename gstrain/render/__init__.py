@@ -13,6 +13,7 @@ import torch
 
 from gstrain.choices import CUDA_BACKENDS
 from gstrain.config import RenderConfig
+from gstrain.dev_config import DevConfig
 from gstrain.errors import UserError
 from gstrain.render.common import RasterOptions
 
@@ -31,9 +32,12 @@ def resolve_device(requested: str) -> torch.device:
 
 
 class Renderer:
-    """Chooses the backend once, and owns the ARC tuner that re-tunes after densification."""
+    """Chooses the backend once, and owns the ARC tuner that re-tunes after densification.
 
-    def __init__(self, cfg: RenderConfig, device: torch.device, absgrad: bool = False) -> None:
+    `dev`: the speed switches and distwar's threshold (a config's dev section; None: their defaults)."""
+
+    def __init__(self, cfg: RenderConfig, device: torch.device, absgrad: bool = False,
+                 dev: DevConfig | None = None) -> None:  # fmt: skip
         backend = cfg.backend
         if backend == "auto":
             backend = "cuda" if device.type == "cuda" else "reference"
@@ -41,6 +45,7 @@ class Renderer:
             raise UserError(f"render.backend={backend} needs a CUDA GPU; use --device cuda on a GPU machine")
         self.backend = backend
         self.cfg = cfg
+        self.dev = dev = dev if dev is not None else DevConfig()
         self.absgrad = absgrad
         self.tuner = None
         self._tuned_count: int | None = None  # population when ARC last started a round
@@ -54,9 +59,9 @@ class Renderer:
         # backend gsplat is gsplat's own pipeline (the comparisons' baseline): its intersection and SH too
         ours = backend != "gsplat"
         self.options = RasterOptions(
-            absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
-            tuner=self.tuner, gsplat_raster=not ours, ellipse_cull=cfg.ellipse_cull and ours,
-            fused_sh=cfg.fused_sh and ours,
+            absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=dev.atomic_threshold,
+            tuner=self.tuner, gsplat_raster=not ours, ellipse_cull=dev.ellipse_cull and ours,
+            fused_sh=dev.fused_sh and ours,
         )  # fmt: skip
 
     def __call__(
@@ -130,4 +135,4 @@ class Renderer:
             return None
         if self.tuner is not None:
             return int(self.tuner.threshold)
-        return self.cfg.atomic_threshold
+        return self.dev.atomic_threshold

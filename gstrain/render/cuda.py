@@ -1,8 +1,8 @@
 """Our CUDA rasterizer: autograd Function and render_cuda(params, camera) (gstrain.extensions builds it).
 
 Projection, spherical harmonics and tile intersection come from gsplat (the intersection
-from our csrc/isect.cu when render.ellipse_cull is on, the colours from our fused kernel
-csrc/sh_colors.cu when render.fused_sh is); rasterize forward and
+from our csrc/isect.cu when dev.ellipse_cull is on, the colours from our fused kernel
+csrc/sh_colors.cu when dev.fused_sh is); rasterize forward and
 backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen per call:
   atomic   every contributing lane adds its own gradients (the original 3DGS kernel)
   warp     always reduce across the warp, lane 0 adds (gsplat's way)

@@ -150,7 +150,7 @@ class ViewerPage:
         if params is None:
             raise RuntimeError("no Gaussians yet")
         if self._renderer is None:
-            self._renderer = Renderer(self.cfg.render, self.device)
+            self._renderer = Renderer(self.cfg.render, self.device, dev=self.cfg.dev)
         side = RENDER_SIDE_GPU if self.device.type == "cuda" else RENDER_SIDE_CPU
         w, h = fit_size(camera.image_width, camera.image_height, side)
         p = {k: v.to(self.device) for k, v in params.items()}

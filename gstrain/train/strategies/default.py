@@ -12,6 +12,7 @@ from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
 from gsplat.strategy.ops import reset_opa
 
 from gstrain.config import StrategyConfig
+from gstrain.dev_config import DevConfig
 from gstrain.train.strategies.base import GsplatStrategy, Optimizers, Params
 
 
@@ -96,11 +97,12 @@ class FastStatsStrategy(GsplatDefaultStrategy):
 
 
 class DefaultStrategy(GsplatStrategy):
-    """gsplat's DefaultStrategy (FastStatsStrategy unless strategy.fast_stats=false) and its state."""
+    """gsplat's DefaultStrategy (FastStatsStrategy unless dev.fast_stats=false) and its state."""
 
-    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
-        super().__init__(cfg, scene_extent, device)
-        strategy_cls = FastStatsStrategy if cfg.fast_stats else GsplatDefaultStrategy
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device,
+                 dev: DevConfig | None = None) -> None:  # fmt: skip
+        super().__init__(cfg, scene_extent, device, dev)
+        strategy_cls = FastStatsStrategy if self.dev.fast_stats else GsplatDefaultStrategy
         self.gsplat = strategy_cls(
             prune_opa=cfg.prune_opa,
             grow_grad2d=cfg.grow_grad2d,
