@@ -1,4 +1,4 @@
-"""render.ellipse_cull: pairs and phase times with no cull, the PyTorch cull and the kernel cull.
+"""dev.ellipse_cull: pairs and phase times with no cull, the PyTorch cull and the kernel cull.
 
 Workloads (gstrain.profile.load_workload, the same Gaussians as `gstrain profile`):
   beer     the COLMAP scene's SfM points as the trainer initialises them (--beer, factor 1)

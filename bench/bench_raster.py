@@ -232,7 +232,7 @@ def layout_key(vector: bool, scatter: bool) -> str:
 
 def bench_culled(ext, common: tuple, radii, depths, v_image, v_alpha, vector: bool, scatter: bool,
                  reps: int) -> dict:  # fmt: skip
-    """Our forward and arc backward on the pairs render.ellipse_cull keeps (our intersection
+    """Our forward and arc backward on the pairs dev.ellipse_cull keeps (our intersection
     kernel), as training runs them; gsplat keeps its own isect_tiles pairs (its pipeline).
     Also the culled backward's largest gradient error against the unculled one (should be ~0)."""
     from gstrain.render.isect import culled_intersection
@@ -285,7 +285,7 @@ def print_tables(results: dict, layouts: list[str]) -> None:
             )
     culled = {name: r["culled"] for name, r in results.items() if "culled" in r}
     if culled:
-        print("\n### Culled pairs (render.ellipse_cull, first layout): our arc backward vs gsplat on its own pairs\n")
+        print("\n### Culled pairs (dev.ellipse_cull, first layout): our arc backward vs gsplat on its own pairs\n")
         print("| workload | pairs kept | fwd ms | arc bwd ms (T) | gsplat bwd ms | gsplat / arc culled | rel err |")
         print("|---|---|---|---|---|---|---|")
         for name, c in culled.items():

@@ -9,7 +9,7 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
              Adam, sync-free densification statistics), checkpoints every 1000 steps
   gsplat-raster, conv-ssim, torch-adam, gsplat-stats, no-cull   gstrain with that one feature off
   sparse-adam   gstrain plus Adam over the visible Gaussians only
-  no-cull       gstrain without render.ellipse_cull (the culled tile intersection; on by default)
+  no-cull       gstrain without dev.ellipse_cull (the culled tile intersection; on by default)
   issue19-off   gstrain with issue 19's switches off (ellipse cull, CUDA graph steps, fused SH colours):
                 how gstrain trained when issue 19 was filed, less the kernel changes that have no
                 switch and compute the same function (the quality side of that issue's paired study)
@@ -48,20 +48,20 @@ from bench.bench_report import load_runs, report, split_repeats
 from bench.builds import build_all
 
 # Every speed switch off, and checkpoints only at the end as gsplat's example trainer does.
-BASELINE = ["--backend", "gsplat", "--set", "train.fused_ssim=false", "--set", "optim.fused_adam=false",
-            "--set", "strategy.fast_stats=false", "--set", "render.ellipse_cull=false", "--set", "log.ckpt_every=0"]
+BASELINE = ["--backend", "gsplat", "--set", "dev.fused_ssim=false", "--set", "dev.fused_adam=false",
+            "--set", "dev.fast_stats=false", "--set", "dev.ellipse_cull=false", "--set", "log.ckpt_every=0"]
 PIPELINES = {
     "baseline": BASELINE,
     "gstrain": ["--atomic-mode", "arc"],  # the defaults: every switch on, checkpoints every 1000 steps
     # one switch off at a time: what each feature buys end to end
     "gsplat-raster": ["--backend", "gsplat"],
-    "conv-ssim": ["--set", "train.fused_ssim=false"],
-    "torch-adam": ["--set", "optim.fused_adam=false"],
-    "gsplat-stats": ["--set", "strategy.fast_stats=false"],
+    "conv-ssim": ["--set", "dev.fused_ssim=false"],
+    "torch-adam": ["--set", "dev.fused_adam=false"],
+    "gsplat-stats": ["--set", "dev.fast_stats=false"],
     "sparse-adam": ["--set", "optim.sparse_adam=true"],
-    "no-cull": ["--set", "render.ellipse_cull=false"],
-    "issue19-off": ["--atomic-mode", "arc", "--set", "render.ellipse_cull=false", "--set", "train.cuda_graphs=false",
-                    "--set", "render.fused_sh=false"],
+    "no-cull": ["--set", "dev.ellipse_cull=false"],
+    "issue19-off": ["--atomic-mode", "arc", "--set", "dev.ellipse_cull=false", "--set", "dev.cuda_graphs=false",
+                    "--set", "dev.fused_sh=false"],
 }
 
 # Every pipeline scores all training views after its loop (outside the timed part): a view the

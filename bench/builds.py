@@ -2,8 +2,8 @@
 
     python -m bench.builds [gstrain|gsplat|all]    (from the repository root; gpu_env.sh runs the two in parallel)
 
-gstrain's extensions are JIT-built into $TORCH_EXTENSIONS_DIR on first use (gstrain.cuda_build caches them
-by a hash of their sources); gsplat 1.5.3 builds its own on first import of its backend, unless a prebuilt
+gstrain's extensions (gstrain.extensions) are JIT-built into $TORCH_EXTENSIONS_DIR on first use (gstrain.cuda_build
+caches them by a hash of their sources); gsplat 1.5.3 builds its own on first import of its backend, unless a prebuilt
 module has been put in place (bench/gsplat_prebuilt.py).
 """
 
@@ -11,19 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import ModuleType
-
-GSTRAIN_EXTENSIONS = ("raster", "ssim", "step_ops")
-
-
-def _builders() -> dict[str, Callable[[], ModuleType]]:
-    """name -> the ensure_built() that compiles (or loads from the cache) that extension."""
-    from gstrain.render.cuda import ensure_built as raster  # the rasterizer, warp-reduced backward
-    from gstrain.train.fused_ssim import ensure_built as ssim  # fused L1 + SSIM
-    from gstrain.train.step_ops import ensure_built as step_ops  # multi-tensor Adam, densification stats
-
-    return {"raster": raster, "ssim": ssim, "step_ops": step_ops}
 
 
 def build_all(only: Iterable[str] | None = None, gsplat: bool = False) -> dict[str, ModuleType]:
@@ -31,12 +20,13 @@ def build_all(only: Iterable[str] | None = None, gsplat: bool = False) -> dict[s
 
     Returns the loaded gstrain extensions by name; gsplat's is reached through gsplat itself.
     """
-    names = list(GSTRAIN_EXTENSIONS) if only is None else list(only)
-    unknown = sorted(set(names) - set(GSTRAIN_EXTENSIONS))
+    from gstrain.extensions import BUILDERS  # imported here: `--help` needs no torch
+
+    names = list(BUILDERS) if only is None else list(only)
+    unknown = sorted(set(names) - set(BUILDERS))
     if unknown:
-        raise ValueError(f"unknown extension(s) {unknown}; known: {list(GSTRAIN_EXTENSIONS)}")
-    builders = _builders() if names else {}
-    built = {name: builders[name]() for name in names}
+        raise ValueError(f"unknown extension(s) {unknown}; known: {list(BUILDERS)}")
+    built = {name: BUILDERS[name]() for name in names}
     if gsplat:
         from gsplat.cuda._backend import _C  # the import itself builds (or loads) gsplat's module
 

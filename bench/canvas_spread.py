@@ -4,7 +4,7 @@
 
 Writes the demo scene (16 views, 64x64) and runs pairs of eager trainers from one seed, thirty
 steps without refinement, in lockstep: the plain path; the canvas path (the view padded into a
-canvas, its size on the device: tests/test_graph_cuda._eager_steps_on_the_canvas) at one size;
+canvas, its size on the device: bench/graph_cases.eager_steps_on_the_canvas) at one size;
 the same with the loss's valid size dropped; the same with gsplat's projection in place of ours
 (render/sized_projection.py); and graph against eager steps on the demo cropped to four sizes.
 Prints each pair's largest parameter difference relative to the parameter's largest value. Two
@@ -18,30 +18,16 @@ development study, not a test.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from gstrain.config import build_config
+from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
 from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
-from gstrain.train.trainer import Trainer, seed_everything
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import test_graph_cuda as helpers  # noqa: E402  (the canvas helpers the cuda tests use)
-
-
-def _trainer(scene, folder: Path, graphs: bool) -> Trainer:
-    cfg = build_config(overrides=[{
-        "train": {"steps": 500, "cuda_graphs": graphs, "device": "cuda"}, "render": {"atomic_mode": "warp"},
-        "strategy": {"refine_start": 1000, "refine_every": 10, "reset_every": 15},
-    }])  # fmt: skip
-    trainer = Trainer(cfg, scene, folder, torch.device("cuda"), log=lambda m: None)
-    trainer.timer.enabled = False
-    return trainer
+from gstrain.train.trainer import seed_everything
 
 
 def _gsplat_projection(means, quats, scales, viewmat, K, size):
@@ -58,7 +44,7 @@ def _pair(scene, folder: Path, graphs: tuple[bool, bool], steps: int) -> dict[st
     runs = []
     for i, on in enumerate(graphs):
         seed_everything(0)
-        runs.append(_trainer(scene, folder / str(i), on))
+        runs.append(graph_trainer(scene, folder, str(i), on, refine_start=1000))  # no refinement
     for step in range(steps):
         for run in runs:
             torch.cuda.manual_seed(1000 + step)
@@ -91,13 +77,13 @@ def main() -> None:
         "canvas": (one_size, True, False, False, False),
         "canvas, loss without valid": (one_size, True, True, False, False),
         "canvas, gsplat's projection": (one_size, True, False, True, False),
-        "four sizes, canvas, graph vs eager": (helpers._mixed_sizes(one_size), True, False, False, True),
-        "four sizes, canvas, eager vs eager": (helpers._mixed_sizes(one_size), True, False, False, False),
+        "four sizes, canvas, graph vs eager": (mixed_sizes(one_size), True, False, False, True),
+        "four sizes, canvas, eager vs eager": (mixed_sizes(one_size), True, False, False, False),
     }
     for i, (name, (scene, canvas, no_valid, theirs, graphs)) in enumerate(variants.items()):
         patch = pytest.MonkeyPatch()
         if canvas:
-            helpers._eager_steps_on_the_canvas(patch, (64, 64))
+            eager_steps_on_the_canvas(patch, (64, 64))
         if no_valid:
             patch.setattr(fused_ssim, "fused_photometric_loss", lambda img, gt, lam, valid=None: loss(img, gt, lam))
         if theirs:

@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gstrain.choices import COMPRESSIONS, PARTITIONS
 from gstrain.config import DistConfig
 from gstrain.dist.comm_model import bound_step_bytes, expected_step_bytes
 from gstrain.dist.partition import (
-    PARTITIONS,
     AccessProfile,
     access_profile,
     assign_homes,
@@ -273,7 +273,7 @@ def study(name: str, prof: AccessProfile, means: torch.Tensor, worlds: tuple[int
                    # floors under every partition (fp32): shards of ceil(N/W), or up to this one's largest
                    "bound_bytes_mean_balanced": balanced,
                    "bound_bytes_mean_largest": bound_step_bytes(visible, world, largest)}  # fmt: skip
-            for comp in ("none", "fp16"):
+            for comp in COMPRESSIONS:
                 sent, recv = expected_step_bytes(counts, homes, 1, torch.float32, comp)
                 row[f"bytes_mean_{comp}"] = float(sent.mean())
                 row[f"bytes_max_{comp}"] = float(torch.maximum(sent, recv).max())

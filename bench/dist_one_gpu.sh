@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16's one-GPU measurements, on the GPU machine after `source bench/gpu_env.sh`:
-#   overhead: W=1 through the distributed path over NCCL (torchrun, dist.always) against the plain
+#   overhead: W=1 through the distributed path over NCCL (torchrun, dev.always_distributed) against the plain
 #             trainer, same scene and steps, PAIRS alternated pairs (both on our CUDA kernels);
 #   psnr:     test PSNR at STEPS (7000) of W=2 gloo ranks sharing the GPU (train.batch_size=2)
 #             against one process with batch 2 and one process with batch 1, one run per seed,
@@ -41,7 +41,7 @@ overhead)
         summary "plain $i" "$out"
         out=$tmp/w1_$i; rm -rf "$out"
         run_torch --nproc-per-node=1 -m gstrain fit "$scene" --steps "$steps" --out "$out" $quiet \
-            --set dist.always=true > "$out.log" 2>&1
+            --set dev.always_distributed=true > "$out.log" 2>&1
         summary "W=1 NCCL $i" "$out"
     done
     ;;

@@ -102,7 +102,7 @@ def main() -> None:
         for t in (plain, sharded):
             t.record = RunRecord(first_step=0, max_gaussians=0)
         blocks: list[tuple[float, float]] = []
-        pe, te = cfg.log.progress_every, cfg.log.time_every
+        pe, te = cfg.log.progress_every, cfg.dev.time_every
         from tqdm import tqdm
 
         for _ in tqdm(range(0, args.steps, args.block), desc="blocks"):

@@ -1,4 +1,4 @@
-"""Development probe for train.cuda_graphs: which part of the epoch key (what every graph of an
+"""Development probe for dev.cuda_graphs: which part of the epoch key (what every graph of an
 epoch bakes in) changes between epochs, and how one graph step compares with the same eager step
 from the same state.
 
@@ -56,7 +56,7 @@ def main() -> None:
     print("summary", g.summary())
     # one step from the same state, graph vs eager
     seed_everything(0)
-    e = Trainer(build_config(overrides=[{"render": {"atomic_mode": args.mode}, "train": {"cuda_graphs": False},
+    e = Trainer(build_config(overrides=[{"render": {"atomic_mode": args.mode}, "dev": {"cuda_graphs": False},
                                           "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 1000}}]),
                 scene, Path("/tmp/gdbg_e"), torch.device("cuda"), log=print)
     e.timer.enabled = False
@@ -86,7 +86,8 @@ def lockstep(scene, steps: int, mode: str) -> None:
     runs = []
     for graphs in (True, False):
         seed_everything(0)
-        cfg = build_config(overrides=[{"train": {"steps": 500, "cuda_graphs": graphs}, "render": {"atomic_mode": mode},
+        cfg = build_config(overrides=[{"train": {"steps": 500}, "dev": {"cuda_graphs": graphs},
+                                       "render": {"atomic_mode": mode},
                                        "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15}}])
         t = Trainer(cfg, scene, Path(f"/tmp/lock_{graphs}"), torch.device("cuda"), log=print)
         t.timer.enabled = False

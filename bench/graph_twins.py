@@ -1,5 +1,5 @@
-"""How far two runs of tests/test_graph_cuda.py's thirty steps part: graph vs eager, eager vs eager
-and graph vs graph, with refinements (steps 10, 20), an opacity reset (15), and with or without
+"""How far two runs of tests/test_graph_cuda.py's thirty steps (bench/graph_cases.py) part: graph vs
+eager, eager vs eager and graph vs graph, with refinements (steps 10, 20), an opacity reset (15), and with or without
 the forced overflows and timed steps. (GPU; a development study, not a test.)
 
     python -m bench.graph_twins [--reps 3]
@@ -13,20 +13,17 @@ apart against its 1e-4): at 1f3c5a9 two eager runs parted as far as graph and ea
 was below the noise of identical steps, not a graph defect (docs/benchmarks.md).
 """
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import test_graph_cuda as T  # noqa: E402  (the trainer the cuda tests build)
-
-from gstrain.data.colmap import load_scene  # noqa: E402
-from gstrain.data.demo import write_demo_scene  # noqa: E402
-from gstrain.train import graph_step  # noqa: E402
-from gstrain.train.trainer import seed_everything  # noqa: E402
+from bench.graph_cases import graph_trainer
+from gstrain.data.colmap import load_scene
+from gstrain.data.demo import write_demo_scene
+from gstrain.train import graph_step
+from gstrain.train.trainer import seed_everything
 
 
 def diffs(a, b) -> dict[str, float]:
@@ -51,7 +48,7 @@ def pair(scene, root: Path, kinds: tuple[bool, bool], overflow: bool, per_step: 
     runs = []
     for i, g in enumerate(kinds):
         seed_everything(0)
-        runs.append(T._trainer(scene, root, f"r{i}", graphs=g))
+        runs.append(graph_trainer(scene, root, f"r{i}", graphs=g))
     trace = []
     for step in range(30):
         for run in runs:

@@ -5,7 +5,7 @@ Run by bench/gpu_tests.sh as
 (no caching allocator, so an access past a tensor's end leaves its own allocation and is seen).
 Sizes are not multiples of 16, two cameras, background and absgrad on (up to 32 channels), and
 channel counts that take the direct (3), padded (5) and chunked (40) paths; then the culled
-tile intersection (render.ellipse_cull) on the same cameras, the training-step kernels, and a
+tile intersection (dev.ellipse_cull) on the same cameras, the training-step kernels, and a
 step's kernels on a canvas (the device-sized projection, intersection, loss and statistics), and
 the fused SH colours at every degree.
 """
@@ -21,6 +21,7 @@ import torch
 def main() -> int:
     from gsplat import fully_fused_projection, isect_offset_encode, isect_tiles
 
+    from gstrain.choices import ATOMIC_MODES
     from gstrain.render.arc import ArcTuner
     from gstrain.render.cuda import rasterize_cuda
 
@@ -42,7 +43,7 @@ def main() -> int:
     offsets = isect_offset_encode(isect_ids, n_cams, tw, th)
     opac = (0.05 + 0.9 * torch.rand(n_cams, n, generator=gen)).cuda()
 
-    runs = [(mode, vector, 3) for mode in ("atomic", "warp", "distwar", "arc") for vector in (False, True)]
+    runs = [(mode, vector, 3) for mode in ATOMIC_MODES for vector in (False, True)]
     runs += [("distwar", True, 5), ("distwar", False, 40)]
     for mode, vector, ch in runs:
         m2 = means2d.detach().clone().requires_grad_(True)
@@ -90,12 +91,12 @@ def sh_colors_case(gen: torch.Generator) -> int:
 
 
 def culled_intersection_case(means2d, radii, depths, conics, opac, offsets, flatten_ids, width, height) -> int:
-    """The culled intersection kernels (render.ellipse_cull) on the same two cameras."""
-    from gstrain.render.cuda import ensure_built
+    """The culled intersection kernels (dev.ellipse_cull) on the same two cameras."""
+    from gstrain import extensions
     from gstrain.render.cull import cull_pairs
     from gstrain.render.isect import culled_intersection
 
-    ours = culled_intersection(ensure_built(), means2d, radii, depths, conics, opac, width, height, 16)
+    ours = culled_intersection(extensions.raster(), means2d, radii, depths, conics, opac, width, height, 16)
     oracle = cull_pairs(means2d, conics, opac, offsets, flatten_ids, width, height, 16)
     torch.cuda.synchronize()
     same = torch.equal(ours.flatten_ids, oracle.flatten_ids) and torch.equal(ours.isect_offsets, oracle.isect_offsets)
@@ -137,7 +138,7 @@ def step_kernels_case(gen: torch.Generator) -> int:
 def canvas_case(gen: torch.Generator) -> int:
     """train/graph_step.py's canvas: a 37x29 view inside a 53x45 canvas, the size on the device."""
     from bench.builds import build_all
-    from gstrain.render.cuda import ensure_built
+    from gstrain import extensions
     from gstrain.render.isect import PairBudget, capped_intersection
     from gstrain.render.sized_projection import project_sized
     from gstrain.train.fused_ssim import fused_photometric_loss
@@ -155,7 +156,8 @@ def canvas_case(gen: torch.Generator) -> int:
     stats = torch.zeros(4, 3, dtype=torch.int64, device="cuda")
     budget = PairBudget(1 << 12, torch.ones(1, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
                         stats, slot=torch.tensor([2], dtype=torch.int32).cuda())  # fmt: skip
-    capped_intersection(ensure_built(), m2d.detach(), radii, depths, conics.detach(), opac, cw, ch, 16, budget, valid)
+    capped_intersection(extensions.raster(), m2d.detach(), radii, depths, conics.detach(), opac, cw, ch, 16, budget,
+                        valid)  # fmt: skip
     img = torch.rand(ch, cw, 3, generator=gen).cuda().requires_grad_(True)
     loss, _ = fused_photometric_loss(img, torch.rand(ch, cw, 3, generator=gen).cuda(), 0.2, valid=valid)
     loss.backward()

@@ -3,7 +3,7 @@
 For every W in --world and every partition in --partitions it runs
 
     torchrun --nproc-per-node=W -m gstrain fit SCENE --steps N --set train.batch_size=W·b
-             --set dist.partition=P [--set dist.always=true at W=1] EXTRA
+             --set dist.partition=P [--set dev.always_distributed=true at W=1] EXTRA
 
 and, as the one-GPU reference, the plain trainer with the same global batch (`gstrain fit ...
 --set train.batch_size=W·b`, no torchrun). Each run's train_summary.json gives the wall time, the
@@ -41,7 +41,7 @@ def fit_command(scene: Path, out: Path, world: int, partition: str | None, batch
         return [sys.executable, *args]
     args += ["--set", f"dist.partition={partition}"]
     if world == 1:
-        args += ["--set", "dist.always=true"]
+        args += ["--set", "dev.always_distributed=true"]
     torchrun = Path(sys.executable).with_name("torchrun")
     return [str(torchrun) if torchrun.exists() else "torchrun", f"--nproc-per-node={world}", *args]
 

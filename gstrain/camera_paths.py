@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from gstrain.choices import CAMERA_PATHS
 from gstrain.data.scene import View
 from gstrain.errors import UserError
 
-PATHS = ("test", "train", "orbit", "spiral")
 MIN_SIZE, MAX_SIZE = 8, 8192
 SPIRAL_ROTATIONS = 2
 SPIRAL_ZRATE = 0.5  # forward/backward oscillations per rotation
@@ -30,8 +30,8 @@ def camera_path(
     Orbit and spiral frames use the first view's intrinsics and size; `points` (the SfM cloud)
     sets the spiral's focus depth the LLFF way when given.
     """
-    if kind not in PATHS:
-        raise UserError(f"unknown camera path '{kind}' (choose from {' | '.join(PATHS)})")
+    if kind not in CAMERA_PATHS:
+        raise UserError(f"unknown camera path '{kind}' (choose from {' | '.join(CAMERA_PATHS)})")
     if not views:
         raise UserError(f"no cameras to build the '{kind}' path from")
     if kind in ("test", "train"):

@@ -17,6 +17,16 @@ try:  # typer >= 0.22 vendors click; older releases use the click package
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
+from gstrain.choices import (
+    ATOMIC_MODES,
+    BACKENDS,
+    CAMERA_PATHS,
+    DEVICES,
+    EXPORT_FORMATS,
+    PROFILE_BACKENDS,
+    RENDER_OUTPUTS,
+    SFM_MATCHERS,
+)
 from gstrain.errors import UserError
 
 app = typer.Typer(
@@ -25,6 +35,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Train 3D Gaussian Splatting scenes from COLMAP data, with a timed, warp-reduced rasterizer.",
 )
+
+
+def _one_of(options: tuple[str, ...]) -> str:
+    """A help text's list of the allowed values, from their owner (gstrain/choices.py)."""
+    return " | ".join(options)
 
 
 def _err(message: str) -> None:
@@ -45,7 +60,7 @@ def _flag_overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "factor": ("data", "factor"),
         "backend": ("render", "backend"),
         "atomic_mode": ("render", "atomic_mode"),
-        "atomic_threshold": ("render", "atomic_threshold"),
+        "atomic_threshold": ("dev", "atomic_threshold"),
         "threads": ("train", "threads"),
     }
     out: dict[str, dict[str, Any]] = {}
@@ -64,7 +79,7 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override any config key: --set strategy.refine_every=200 (repeatable)."),
 ]
-DeviceOpt = Annotated[str | None, typer.Option(help="auto | cpu | cuda (auto: the GPU when present).")]
+DeviceOpt = Annotated[str | None, typer.Option(help=f"{_one_of(DEVICES)} (auto: the GPU when present).")]
 FactorOpt = Annotated[int | None, typer.Option(help="Downscale images by this factor (uses images_N/ if present).")]
 
 
@@ -85,12 +100,14 @@ def fit(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its checkpoint.")] = False,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
     backend: Annotated[str | None, typer.Option(
-        help="Rasterizer: auto | reference | cuda | gsplat (auto: cuda on a GPU, reference on the CPU)."
+        help=f"Rasterizer: {_one_of(BACKENDS)} (auto: cuda on a GPU, reference on the CPU)."
     )] = None,
     atomic_mode: Annotated[
-        str | None, typer.Option(help="Backward reduction of our CUDA rasterizer: atomic | warp | distwar | arc.")
+        str | None, typer.Option(help=f"Backward reduction of our CUDA rasterizer: {_one_of(ATOMIC_MODES)}.")
     ] = None,
-    atomic_threshold: Annotated[int | None, typer.Option(help="distwar's lane threshold T (1..32).")] = None,
+    atomic_threshold: Annotated[
+        int | None, typer.Option(help="distwar's lane threshold T (1..32; dev.atomic_threshold).")
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads for torch (0: auto; train.threads).")] = None,
     allow_older_checkpoint: AllowOlderOpt = False,
     set_: SetOpt = None,
@@ -142,7 +159,7 @@ def _masked_text(metrics: dict) -> str:
 def export(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
     format: Annotated[str | None, typer.Option(
-        "--format", help="Export format: ply | splat | ply-compressed (default: from --out's extension, else ply)."
+        "--format", help=f"Export format: {_one_of(EXPORT_FORMATS)} (default: from --out's extension, else ply)."
     )] = None,
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
     force: Annotated[bool, typer.Option(
@@ -181,10 +198,11 @@ def view(
 def profile(
     target: Annotated[Path, typer.Argument(help="COLMAP scene, run folder, or test_garden-style .npz.")],
     atomic_mode: Annotated[
-        str, typer.Option(help="Our CUDA backward: atomic | warp | distwar | arc | all (comma-separated list allowed).")
+        str, typer.Option(help=f"Our CUDA backward: {_one_of((*ATOMIC_MODES, 'all'))} (comma-separated list allowed).")
     ] = "all",
     backend: Annotated[str, typer.Option(
-        help="cuda (our kernels, a column per mode) | gsplat (gsplat's rasterizer, one column) | all (both)."
+        help=f"{_one_of(PROFILE_BACKENDS)}: cuda is our kernels (a column per mode), gsplat gsplat's rasterizer "
+        "(one column), all both."
     )] = "all",
     iters: Annotated[int, typer.Option(help="Measured iterations per mode.")] = 50,
     warmup: Annotated[int, typer.Option(help="Unmeasured iterations first (ARC also finishes tuning).")] = 10,
@@ -236,7 +254,8 @@ def sfm(
         str, typer.Option(help="COLMAP camera model to estimate (SIMPLE_RADIAL, OPENCV, PINHOLE, ...).")
     ] = "SIMPLE_RADIAL",
     matcher: Annotated[
-        str, typer.Option(help="exhaustive (any photo set) | sequential (video frames, in name order).")
+        str, typer.Option(help=f"{_one_of(SFM_MATCHERS)}: exhaustive for any photo set, sequential for video "
+                               "frames (in name order).")
     ] = "exhaustive",
     max_size: Annotated[int, typer.Option(help="Longest image side (px) for features and output.")] = 1600,
     force: Annotated[bool, typer.Option(
@@ -259,11 +278,13 @@ def sfm(
 @app.command()
 def render(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
-    path: Annotated[str, typer.Option(help="Cameras: test | train (dataset) | orbit | spiral.")] = "orbit",
+    path: Annotated[
+        str, typer.Option(help=f"Cameras: {_one_of(CAMERA_PATHS)} (test and train: the dataset's).")
+    ] = "orbit",
     out: Annotated[
         Path | None, typer.Option(help="FILE.mp4, or a folder for PNG frames (default: <run>/renders/).")
     ] = None,
-    what: Annotated[str, typer.Option(help="rgb | depth | alpha.")] = "rgb",
+    what: Annotated[str, typer.Option(help=f"{_one_of(RENDER_OUTPUTS)}.")] = "rgb",
     fps: Annotated[int, typer.Option(help="Frames per second of the video.")] = 30,
     size: Annotated[str | None, typer.Option(help="Output size WxH (default: the dataset's).")] = None,
     frames: Annotated[int, typer.Option(help="Frames along an orbit or spiral.")] = 120,

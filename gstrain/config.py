@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,21 +16,20 @@ from typing import Any
 
 import yaml
 
+from gstrain.choices import (
+    ATOMIC_MODES,
+    BACKENDS,
+    COMPRESSIONS,
+    DEVICES,
+    DIST_BACKENDS,
+    INIT_MODES,
+    MASK_MODES,
+    PARTITIONS,
+)
+from gstrain.dev_config import DevConfig, move_legacy_keys
 from gstrain.errors import UserError
 from gstrain.files import write_text_atomic
 from gstrain.train.strategies.registry import STRATEGY_NAMES
-
-# The rasterizer: our CUDA kernels, the PyTorch reference, or gsplat's own rasterize_to_pixels
-# (forward and backward: the peer we measure against). auto: cuda on a GPU, reference on the CPU.
-BACKENDS = ("auto", "reference", "cuda", "gsplat")
-# How our CUDA backward reduces gradients (the only choice it has; nothing else differs).
-ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
-DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = STRATEGY_NAMES  # the registry in gstrain/train/strategies is the one list
-MASK_MODES = ("ignore", "background")
-PARTITIONS = ("locality", "random", "round_robin", "views")  # gstrain.dist.partition.PARTITIONS
-COMPRESSIONS = ("none", "fp16")
-DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -63,9 +63,8 @@ class OptimConfig:
     sh0_lr: float = 2.5e-3
     shN_lr: float = 2.5e-3 / 20
     eps: float = 1e-15
-    # Speed switches (CUDA only; the CPU always uses torch's Adam):
-    fused_adam: bool = True  # one kernel launch steps all six tensors (gstrain/train/fused_adam.py)
-    sparse_adam: bool = False  # update only the Gaussians drawn this step (gsplat's SelectiveAdam rule)
+    # update only the Gaussians drawn this step (gsplat's SelectiveAdam rule; CUDA only)
+    sparse_adam: bool = False
 
 
 @dataclass
@@ -75,15 +74,11 @@ class TrainConfig:
     sh_degree_interval: int = 1000  # raise the active SH degree every N steps
     seed: int = 42
     device: str = "auto"  # auto | cpu | cuda
-    fused_ssim: bool = True  # the fused CUDA SSIM kernels on a GPU (the convolutions on the CPU either way)
     stop_at: int = 0  # pause after this step (0: run to `steps`); schedules still span `steps`
     threads: int = 0  # CPU threads for torch (0: auto, see gstrain/threads.py)
     # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
     # torchrun it is the GLOBAL batch: each view is rendered by its home rank
     batch_size: int = 1
-    # replay single-view steps as CUDA graphs (our CUDA kernels with render.ellipse_cull and fused
-    # Adam): the same function, far less host time a step (gstrain/train/graph_step.py)
-    cuda_graphs: bool = True
 
 
 @dataclass
@@ -98,24 +93,13 @@ class StrategyConfig:
     prune_opa: float = 0.005
     prune_scale3d: float = 0.1
     absgrad: bool = False
-    fast_stats: bool = True  # DefaultStrategy's per-step statistics without host syncs (same values)
     cap_max: int = 1_000_000  # mcmc only
 
 
 @dataclass
 class RenderConfig:
     backend: str = "auto"  # auto: our CUDA kernels on a GPU, the PyTorch reference on the CPU
-    atomic_mode: str = "arc"  # our CUDA backward's reduction: atomic | warp | distwar | arc
-    atomic_threshold: int = 8  # distwar's T (arc tunes its own)
-    # speed switch (our CUDA backend): drop (Gaussian, tile) pairs whose alpha is provably < 1/255
-    # on the whole tile, inside our intersection kernel (gstrain/render/isect.py, test in cull.py);
-    # images and gradients stay the same. render.backend=gsplat keeps gsplat's own intersection
-    ellipse_cull: bool = True
-    # speed switch (our CUDA backend): the colours from the SH in one kernel each way
-    # (gstrain/render/sh_colors.py) instead of gsplat's spherical_harmonics and the tensor ops
-    # around it (a [N, 16, 3] concatenation among them); the same function. It saves memory and eager
-    # steps' launches; in graph steps it is level with gsplat's (docs/benchmarks.md)
-    fused_sh: bool = True
+    atomic_mode: str = "arc"  # our CUDA backward's reduction: atomic | warp | distwar (dev.atomic_threshold) | arc
     # scale each Gaussian's opacity by sqrt(det(cov2d) / det(cov2d + 0.3 I)): the 0.3-pixel 2D blur
     # then no longer brightens small Gaussians, so renders at other scales than training (zoomed
     # out) alias less (gsplat's rasterize_mode="antialiased"; every backend)
@@ -130,13 +114,7 @@ class RenderConfig:
 @dataclass
 class LogConfig:
     progress_every: int = 100  # progress bar / NaN check cadence (each is one host sync: it drains the GPU queue)
-    tb_every: int = 100  # TensorBoard scalars and per-phase timings
-    # time the phases of every Nth step from step N // 2 on (not the first step, which pays one-time
-    # costs; events cost host time; 1 = every step). A timed step runs eagerly, not as a CUDA graph
-    # (train.cuda_graphs), and waits for the queued replays first, so timing often slows the run:
-    # 197 keeps 152 samples in 30k steps (49 had 612). A prime: timed steps meet refinements (every
-    # 100) at their own rate
-    time_every: int = 197
+    tb_every: int = 100  # TensorBoard scalars and per-phase timings (of the steps dev.time_every times)
     eval_steps: list[int] = field(default_factory=lambda: [7000, 30_000])
     save_steps: list[int] = field(default_factory=lambda: [7000, 30_000])  # PLY exports
     ckpt_every: int = 1000  # full checkpoints, so a crash or NaN loses at most this many steps
@@ -170,7 +148,6 @@ class DistConfig:  # torchrun --nproc-per-node=G -m gstrain fit ... (README "Sev
     count_weight: float = 0.5
     # partition=views falls back to locality beyond this x the mean load or count (unless locality is worse)
     max_imbalance: float = 1.5
-    always: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
 
 @dataclass
@@ -184,6 +161,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     viewer: ViewerConfig = field(default_factory=ViewerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    dev: DevConfig = field(default_factory=DevConfig)  # gstrain's own switches (gstrain/dev_config.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -226,9 +204,13 @@ def _field_types(obj: Any) -> dict[str, Any]:
 
 
 def merge_dict(cfg: Config, updates: dict[str, Any], origin: str = "config") -> Config:
-    """Apply a nested {section: {key: value}} mapping onto cfg in place; unknown keys are errors."""
+    """Apply a nested {section: {key: value}} mapping onto cfg in place; unknown keys are errors.
+    A key that moved to dev (dev_config.LEGACY_KEYS) is set there, with a one-line note."""
     if not isinstance(updates, dict):
         raise UserError(f"{origin}: expected a mapping of sections, got {type(updates).__name__}")
+    updates, moved = move_legacy_keys(updates)
+    for change in moved:
+        print(f"gstrain: note: {origin}: {change.replace(' -> ', ' is now ')}", file=sys.stderr)
     sections = _field_types(cfg)
     for section, values in updates.items():
         if section not in sections:
@@ -296,8 +278,8 @@ def validate(cfg: Config) -> Config:
     choice(cfg.render.backend, BACKENDS, "render.backend")
     check_atomic_mode(cfg.render.atomic_mode)
     choice(cfg.train.device, DEVICES, "train.device")
-    choice(cfg.strategy.name, STRATEGIES, "strategy.name")
-    choice(cfg.model.init, ("sfm", "random"), "model.init")
+    choice(cfg.strategy.name, STRATEGY_NAMES, "strategy.name")
+    choice(cfg.model.init, INIT_MODES, "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
@@ -330,8 +312,8 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"data.factor must be >= 1; got {cfg.data.factor}")
     if not 0 <= cfg.model.sh_degree <= 3:
         raise UserError(f"model.sh_degree must be 0..3; got {cfg.model.sh_degree}")
-    if not 1 <= cfg.render.atomic_threshold <= 32:
-        raise UserError(f"render.atomic_threshold must be 1..32; got {cfg.render.atomic_threshold}")
+    if not 1 <= cfg.dev.atomic_threshold <= 32:
+        raise UserError(f"dev.atomic_threshold must be 1..32; got {cfg.dev.atomic_threshold}")
     if not 0.0 <= cfg.render.filter_3d < 100.0:
         raise UserError(f"render.filter_3d must be 0 (off) or a variance in pixels^2 below 100; "
                         f"got {cfg.render.filter_3d}")
@@ -342,8 +324,8 @@ def validate(cfg: Config) -> Config:
     for key in ("refine_every", "reset_every"):
         if getattr(cfg.strategy, key) < 1:
             raise UserError(f"strategy.{key} must be >= 1; got {getattr(cfg.strategy, key)}")
-    if cfg.log.time_every < 1:
-        raise UserError(f"log.time_every must be >= 1; got {cfg.log.time_every}")
+    if cfg.dev.time_every < 1:
+        raise UserError(f"dev.time_every must be >= 1; got {cfg.dev.time_every}")
     if not 0.0 <= cfg.train.ssim_lambda <= 1.0:
         raise UserError(f"train.ssim_lambda must be in [0, 1]; got {cfg.train.ssim_lambda}")
     _validate_ranges(cfg)
@@ -363,8 +345,10 @@ def check_atomic_mode(mode: str, flag: bool = False) -> None:
 
 
 def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
-    """A saved config as this version reads it: runs from before render.backend=gsplat existed
-    saved render.atomic_mode=gsplat for gsplat's rasterizer."""
+    """A saved config as this version reads it: the keys that moved to dev in dev (silently: the
+    run wrote them), and render.atomic_mode=gsplat, which runs from before render.backend=gsplat
+    existed saved for gsplat's rasterizer, as that backend."""
+    data, _ = move_legacy_keys(data)
     render = data.get("render") if isinstance(data, dict) else None
     if isinstance(render, dict) and render.get("atomic_mode") == "gsplat":
         render = {**render, "backend": "gsplat", "atomic_mode": RenderConfig.atomic_mode}

@@ -96,7 +96,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
         run_dir = req.out or default_run_dir(scene)
         reuse = check_new_run_dir(run_dir)
     dev = resolve_device(cfg.train.device)
-    world = torchrun_world(cfg.dist.always)
+    world = torchrun_world(cfg.dev.always_distributed)
     if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
         if req.viewer:
             raise UserError("--viewer is not available under torchrun; train on one process to watch it")

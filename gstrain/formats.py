@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gstrain.choices import EXPORT_FORMATS
 from gstrain.errors import UserError
 from gstrain.files import write_atomic
 
-FORMATS = ("ply", "splat", "ply-compressed")
 DEFAULT_FORMAT = "ply"
 SUFFIXES = {"ply": ".ply", "splat": ".splat", "ply-compressed": ".compressed.ply"}
 _GSPLAT_NAMES = {"splat": "splat", "ply-compressed": "ply_compressed"}
@@ -28,8 +28,8 @@ def default_export_name(fmt: str) -> str:
 
 
 def check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise UserError(f"unsupported export format '{fmt}' (supported: {' | '.join(FORMATS)})")
+    if fmt not in EXPORT_FORMATS:
+        raise UserError(f"unsupported export format '{fmt}' (supported: {' | '.join(EXPORT_FORMATS)})")
     return fmt
 
 

@@ -23,22 +23,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gstrain.config import ATOMIC_MODES, Config, build_config, check_atomic_mode
+from gstrain.choices import ATOMIC_MODES, PROFILE_BACKENDS
+from gstrain.config import Config, build_config, check_atomic_mode
 from gstrain.errors import UserError
 
 GSPLAT_COLUMN = "gsplat"  # render.backend=gsplat: gsplat's rasterizer, the peer we compare with
 PROFILE_COLUMNS = (*ATOMIC_MODES, GSPLAT_COLUMN)
-PROFILE_BACKENDS = ("cuda", "gsplat", "all")
 STEP_PHASES = ("forward", "loss", "backward", "optimizer", "densify")
 # `--switches`: each speed feature and the value that turns it off (the baseline has all off).
 SWITCHES = {
     "gsplat raster": ("render", "backend", "gsplat"),
-    "conv SSIM": ("train", "fused_ssim", False),
-    "torch Adam": ("optim", "fused_adam", False),
-    "gsplat stats": ("strategy", "fast_stats", False),
-    "no ellipse cull": ("render", "ellipse_cull", False),
-    "gsplat SH": ("render", "fused_sh", False),
-    "no CUDA graphs": ("train", "cuda_graphs", False),
+    "conv SSIM": ("dev", "fused_ssim", False),
+    "torch Adam": ("dev", "fused_adam", False),
+    "gsplat stats": ("dev", "fast_stats", False),
+    "no ellipse cull": ("dev", "ellipse_cull", False),
+    "gsplat SH": ("dev", "fused_sh", False),
+    "no CUDA graphs": ("dev", "cuda_graphs", False),
 }
 # Opt-in switches (off by default): profiled turned on over the configuration as given; off in the baseline.
 OPT_IN = {
@@ -162,11 +162,11 @@ class WorkloadSteps:
         run_cfg.strategy.refine_start = 10**9
         self.params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in work.params.items()})
         self.optimizers = build_optimizers(self.params, run_cfg.optim, work.extent)
-        renderer = Renderer(run_cfg.render, self.device, absgrad=run_cfg.strategy.absgrad)
+        renderer = Renderer(run_cfg.render, self.device, absgrad=run_cfg.strategy.absgrad, dev=run_cfg.dev)
         renderer.set_training_cameras(work.cameras)  # render.filter_3d's sampling rates
         self.timer = PhaseTimer(self.device)
-        self.runner = StepRunner(run_cfg, renderer, build_strategy(run_cfg.strategy, work.extent, self.device),
-                                 self.timer, self.device)  # fmt: skip
+        strategy = build_strategy(run_cfg.strategy, work.extent, self.device, run_cfg.dev)
+        self.runner = StepRunner(run_cfg, renderer, strategy, self.timer, self.device)
         self.tuner = renderer.tuner
         self.cfg = run_cfg
         self.background = torch.zeros(3, device=self.device)
@@ -190,8 +190,8 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
     sync inside a window, as in `gstrain fit`, so host overhead and host syncs show up in
     `timed_wall` (wall clock per step) and `host` (host time per step) as they would in training.
     The phase rows are CUDA events: GPU time, plus any time the GPU waited for the host inside a
-    phase. Then `iters` more steps run untimed, as fit runs all but every log.time_every-th step
-    (CUDA-graph replays where train.cuda_graphs applies): their wall clock is `wall`, and
+    phase. Then `iters` more steps run untimed, as fit runs all but every dev.time_every-th step
+    (CUDA-graph replays where dev.cuda_graphs applies): their wall clock is `wall`, and
     `graph_share` the share that ran as graphs.
     """
     from gstrain.profile_graphs import GraphHost
@@ -226,7 +226,7 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
         phases["host"] = sum(timer.last_host_ms.get(k, 0.0) for k in STEP_PHASES)
         phases["backward_rest"] = phases["backward"] - phases.get("raster_bwd", 0.0)
         phases["total"] = sum(phases.get(k, 0.0) for k in STEP_PHASES)
-        if one_step.pairs:  # after render.ellipse_cull: what both raster passes walk
+        if one_step.pairs:  # after dev.ellipse_cull: what both raster passes walk
             phases["pairs_k"] = pairs / n / 1e3
         for key, value in phases.items():
             samples.setdefault(key, []).append(value)

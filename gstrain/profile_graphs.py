@@ -1,5 +1,5 @@
 """`gstrain profile`'s untimed steps: a workload's steps as `gstrain fit` runs them between its
-timed ones, replayed as CUDA graphs (train.cuda_graphs, train/graph_step.py) where the
+timed ones, replayed as CUDA graphs (dev.cuda_graphs, train/graph_step.py) where the
 configuration allows, else eagerly. Per-phase CUDA events force a step to run eagerly, so the
 profile takes its phase rows from timed steps and its wall clock from these.
 """

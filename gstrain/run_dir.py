@@ -247,7 +247,7 @@ def open_run(
         rcfg = cfg.render
         if dev.type != "cuda" and rcfg.backend in CUDA_BACKENDS:
             rcfg = dataclasses.replace(rcfg, backend="reference")  # trained on a GPU, rendered without one
-        rend = Renderer(rcfg, dev)
+        rend = Renderer(rcfg, dev, dev=cfg.dev)
         if scene is not None:
             rend.set_training_views(scene.train)  # render.filter_3d's sampling rates
         background = torch.tensor(cfg.data.background, dtype=torch.float32, device=dev)

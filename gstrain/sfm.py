@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from gstrain import __version__
+from gstrain.choices import SFM_MATCHERS
 from gstrain.errors import UserError
 from gstrain.scene_folder import check_replace, install, workspace, write_manifest
 
 MANIFEST = "sfm.json"
-MATCHERS = ("exhaustive", "sequential")
 # Formats both PIL (our readability check) and COLMAP's image reader handle.
 PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp")
 # Models COLMAP can estimate and undistort to a pinhole camera afterwards.
@@ -72,8 +72,8 @@ def run_sfm(
     model = camera_model.upper()
     if model not in CAMERA_MODELS:
         raise UserError(f"unknown --camera-model '{camera_model}' (choose from {', '.join(CAMERA_MODELS)})")
-    if matcher not in MATCHERS:
-        raise UserError(f"unknown --matcher '{matcher}' (choose from {' | '.join(MATCHERS)})")
+    if matcher not in SFM_MATCHERS:
+        raise UserError(f"unknown --matcher '{matcher}' (choose from {' | '.join(SFM_MATCHERS)})")
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < MIN_MAX_SIZE:
         raise UserError(f"--max-size must be an integer >= {MIN_MAX_SIZE} pixels, got {max_size!r}")
     if not photos.exists():

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gstrain.camera_paths import PATHS, Camera, camera_path, parse_size, scale_camera
+from gstrain.camera_paths import Camera, camera_path, parse_size, scale_camera
+from gstrain.choices import CAMERA_PATHS, RENDER_OUTPUTS
 from gstrain.errors import UserError
 from gstrain.files import create_beside
 from gstrain.frames import check_output, start_frames
@@ -23,7 +24,6 @@ from gstrain.frames import check_output, start_frames
 if TYPE_CHECKING:
     from gstrain.render import Renderer
 
-WHATS = ("rgb", "depth", "alpha")
 VIDEO_SUFFIX = ".mp4"
 MAX_FPS = 240
 DEPTH_SAMPLE_FRAMES = 8  # frames rendered up front to fix one depth range for the whole video
@@ -114,10 +114,10 @@ def render_run(
 
     start = time.perf_counter()
     run = Path(run_dir)
-    if path not in PATHS:
-        raise UserError(f"unknown --path '{path}' (choose from {' | '.join(PATHS)})")
-    if what not in WHATS:
-        raise UserError(f"unknown --what '{what}' (choose from {' | '.join(WHATS)})")
+    if path not in CAMERA_PATHS:
+        raise UserError(f"unknown --path '{path}' (choose from {' | '.join(CAMERA_PATHS)})")
+    if what not in RENDER_OUTPUTS:
+        raise UserError(f"unknown --what '{what}' (choose from {' | '.join(RENDER_OUTPUTS)})")
     if isinstance(fps, bool) or not isinstance(fps, int) or not 1 <= fps <= MAX_FPS:
         raise UserError(f"--fps must be an integer in 1..{MAX_FPS}, got {fps!r}")
     if isinstance(n_frames, bool) or not isinstance(n_frames, int) or n_frames < 1:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MODES = ("atomic", "warp", "distwar", "arc")
 FWD_TOL = 2e-5  # relative L2 error of image / alpha
 GRAD_TOL = 1e-3  # relative L2 error of each gradient
 

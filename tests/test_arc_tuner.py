@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gstrain import extensions
+from gstrain.cuda_build import gencode_flags
 from gstrain.errors import UserError
 from gstrain.render.arc import DEFAULT_CANDIDATES, ArcTuner, pick_threshold
-from gstrain.render.cuda import _gencode_flags, ensure_built, resolve_threshold
+from gstrain.render.cuda import resolve_threshold
 
 
 class FakeProbe:
@@ -162,9 +164,9 @@ def test_mode_thresholds():
         resolve_threshold("fast", 8)
 
 
-def test_gencode_flags():
-    assert _gencode_flags(["9.0"]) == ["-gencode=arch=compute_90,code=sm_90"]
-    assert _gencode_flags(["8.6", "9.0+PTX"]) == [
+def testgencode_flags():
+    assert gencode_flags(["9.0"]) == ["-gencode=arch=compute_90,code=sm_90"]
+    assert gencode_flags(["8.6", "9.0+PTX"]) == [
         "-gencode=arch=compute_86,code=sm_86",
         "-gencode=arch=compute_90,code=sm_90",
         "-gencode=arch=compute_90,code=compute_90",
@@ -172,7 +174,7 @@ def test_gencode_flags():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
-def test_ensure_built_without_cuda_is_a_user_error():
+def test_building_without_cuda_is_a_user_error():
     with pytest.raises(UserError) as err:
-        ensure_built()
+        extensions.raster()
     assert "\n" not in str(err.value)

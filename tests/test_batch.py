@@ -8,7 +8,7 @@ import torch
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.render.reference import render_reference
-from gstrain.train.losses import training_loss_for
+from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.trainer import Trainer, ViewSampler
 
 STEPS = {"train": {"steps": 6, "device": "cpu", "seed": 3},

@@ -107,7 +107,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     run = tmp_path / "run"
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "150", "--seed", "1", *FAST,
                    "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
-                   "--set", "log.ckpt_every=50", "--set", "log.time_every=25")  # six timed steps
+                   "--set", "log.ckpt_every=50", "--set", "dev.time_every=25")  # six timed steps
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["status"] == "done" and summary["steps"] == 150

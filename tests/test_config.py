@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gstrain.config import Config, build_config, config_from_dict, parse_override
 from gstrain.errors import UserError
@@ -15,7 +16,22 @@ def test_defaults_match_default_yaml():
 
 @pytest.mark.parametrize("name", ["default.yaml", "demo.yaml", "mcmc.yaml"])
 def test_shipped_configs_load(name):
-    build_config([REPO / "configs" / name])
+    """Each shipped file gives, key by key, what a plain YAML reader finds in it, and the default
+    wherever it says nothing."""
+    path = REPO / "configs" / name
+    in_file = yaml.safe_load(path.read_text())
+    cfg, defaults = build_config([path]).to_dict(), Config().to_dict()
+    assert in_file and set(in_file) <= set(defaults)
+    for section, values in defaults.items():
+        for key, default in values.items():
+            want = in_file.get(section, {}).get(key, default)
+            assert cfg[section][key] == want and type(cfg[section][key]) is type(default), f"{section}.{key}"
+
+
+def test_shipped_configs_say_what_they_are_for():
+    demo, mcmc = (build_config([REPO / "configs" / n]) for n in ("demo.yaml", "mcmc.yaml"))
+    assert (demo.train.steps, demo.model.sh_degree, demo.log.eval_steps) == (1000, 1, [1000])
+    assert (mcmc.strategy.name, mcmc.strategy.cap_max, mcmc.model.init_opacity) == ("mcmc", 1_000_000, 0.5)
 
 
 def test_yaml_then_overrides_in_order(tmp_path):
@@ -114,9 +130,10 @@ def test_backend_and_atomic_mode_are_separate_choices():
 def test_saved_config_with_atomic_mode_gsplat_loads_as_backend_gsplat(tmp_path):
     """Run folders and checkpoints from before render.backend=gsplat existed still load."""
     old = Config().to_dict()
+    del old["dev"]  # those runs had no dev section: their threshold was render's
     old["render"] = {"backend": "auto", "atomic_mode": "gsplat", "atomic_threshold": 5}
     cfg = config_from_dict(old)
-    assert (cfg.render.backend, cfg.render.atomic_mode, cfg.render.atomic_threshold) == ("gsplat", "arc", 5)
+    assert (cfg.render.backend, cfg.render.atomic_mode, cfg.dev.atomic_threshold) == ("gsplat", "arc", 5)
     assert old["render"]["atomic_mode"] == "gsplat"  # the caller's dict is not modified
 
     from gstrain.run_dir import create_run_dir, load_run

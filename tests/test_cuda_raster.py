@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 from cuda_scenes import (
-    MODES,
     Scene,
     assert_close,
     compare,
@@ -25,6 +24,8 @@ from cuda_scenes import (
     run_reference,
 )
 from torch import Tensor
+
+from gstrain.choices import ATOMIC_MODES
 
 pytestmark = pytest.mark.cuda
 
@@ -90,7 +91,7 @@ def reference_for(name: str, s: Scene, absgrad: bool) -> dict[str, Tensor]:
 
 
 @pytest.mark.parametrize("absgrad", [False, True])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATOMIC_MODES)
 @pytest.mark.parametrize("name", sorted(SCENES))
 def test_modes_match_reference(name: str, mode: str, absgrad: bool) -> None:
     s = SCENES[name]()
@@ -100,7 +101,7 @@ def test_modes_match_reference(name: str, mode: str, absgrad: bool) -> None:
 
 @pytest.mark.parametrize("scatter", [False, True], ids=["butterfly", "scatter"])
 @pytest.mark.parametrize("vector", [False, True])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATOMIC_MODES)
 def test_gradient_layouts_match_reference(mode: str, vector: bool, scatter: bool) -> None:
     s = scene_random(seed=10)
     s.background = torch.rand(1, 3, device="cuda")
@@ -152,11 +153,11 @@ def test_modes_and_thresholds_agree() -> None:
 
 
 def test_forward_is_deterministic_and_writes_every_pixel() -> None:
-    from gstrain.render.cuda import ensure_built
+    from gstrain import extensions
 
     s = make_scene(200, 53, 29, seed=50, channels=3, background=True)
     offsets, flatten_ids = intersect(s)
-    ext = ensure_built()
+    ext = extensions.raster()
     args = (
         s.means2d,
         s.conics,

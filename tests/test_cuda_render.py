@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_scenes import (
-    MODES,
     assert_close,
     camera,
     make_scene,
@@ -16,6 +15,8 @@ from cuda_scenes import (
     run_cuda,
 )
 from torch import Tensor
+
+from gstrain.choices import ATOMIC_MODES
 
 pytestmark = pytest.mark.cuda
 
@@ -38,7 +39,7 @@ def make_params(n: int, seed: int, sh_degree: int = 3) -> dict[str, Tensor]:
     }
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATOMIC_MODES)
 @pytest.mark.parametrize(("sh_degree", "absgrad", "background"), [(3, True, True), (1, False, False)])
 def test_render_cuda_matches_reference(mode: str, sh_degree: int, absgrad: bool, background: bool) -> None:
     from gstrain.render.common import RasterOptions

@@ -1,4 +1,4 @@
-"""Ellipse culling of (Gaussian, tile) pairs (gstrain/render/cull.py, render.ellipse_cull).
+"""Ellipse culling of (Gaussian, tile) pairs (gstrain/render/cull.py, dev.ellipse_cull).
 
 The pair lists here are built by an independent loop over CONVENTIONS' tile rule (gsplat's
 isect_tiles is CUDA only); every dropped pair is checked by brute force over its tile's pixel
@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from gstrain.choices import ATOMIC_MODES
 from gstrain.render.alpha_bound import min_sigma_on_rect
 from gstrain.render.cull import cull_pairs, keep_mask, pair_tiles
 
@@ -231,12 +232,12 @@ def test_the_switch_is_on_by_default_and_reaches_the_renderer() -> None:
     from gstrain.errors import UserError
     from gstrain.render import Renderer
 
-    assert build_config().render.ellipse_cull is True
-    cfg = build_config(overrides=[{"render": {"ellipse_cull": False}}])
-    assert Renderer(cfg.render, torch.device("cpu")).options.ellipse_cull is False
+    assert build_config().dev.ellipse_cull is True
+    cfg = build_config(overrides=[{"dev": {"ellipse_cull": False}}])
+    assert Renderer(cfg.render, torch.device("cpu"), dev=cfg.dev).options.ellipse_cull is False
     assert Renderer(build_config().render, torch.device("cpu")).options.ellipse_cull is True
-    with pytest.raises(UserError, match="render.ellipse_cull"):
-        build_config(overrides=[{"render": {"ellipse_cull": "yes"}}])
+    with pytest.raises(UserError, match="dev.ellipse_cull"):
+        build_config(overrides=[{"dev": {"ellipse_cull": "yes"}}])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ def test_the_switch_is_on_by_default_and_reaches_the_renderer() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["atomic", "warp", "distwar", "arc", "gsplat"])
+@pytest.mark.parametrize("mode", [*ATOMIC_MODES, "gsplat"])
 def test_render_cuda_with_and_without_cull(mode: str) -> None:
     """Our kernels in every atomic mode (and gsplat's rasterizer) give the same image and
     gradients with the cull as without it, and the reference's; pytest -s prints the pair counts."""
@@ -312,7 +313,7 @@ def test_render_cuda_with_and_without_cull(mode: str) -> None:
 def kernel_and_oracle(sp: dict[str, Tensor], width: int, height: int):
     from gsplat import isect_offset_encode, isect_tiles
 
-    from gstrain.render.cuda import ensure_built
+    from gstrain import extensions
     from gstrain.render.isect import culled_intersection
 
     g = {k: v.cuda() for k, v in sp.items()}
@@ -321,7 +322,7 @@ def kernel_and_oracle(sp: dict[str, Tensor], width: int, height: int):
     _, isect_ids, flat = isect_tiles(g["means2d"], g["radii"], g["depths"], TILE, tw, th, n_images=cams)
     offsets = isect_offset_encode(isect_ids, cams, tw, th)
     oracle = cull_pairs(g["means2d"], g["conics"], g["opacities"], offsets, flat, width, height, TILE)
-    ours = culled_intersection(ensure_built(), g["means2d"], g["radii"], g["depths"], g["conics"], g["opacities"],
+    ours = culled_intersection(extensions.raster(), g["means2d"], g["radii"], g["depths"], g["conics"], g["opacities"],
                                width, height, TILE)  # fmt: skip
     return ours, oracle, flat.numel()
 

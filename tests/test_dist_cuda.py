@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gstrain.config import ATOMIC_MODES
+from gstrain.choices import ATOMIC_MODES
 from gstrain.dist.local import run_local
 from gstrain.dist.partition import round_robin_partition, shard_indices
 from gstrain.dist.sharded_render import ViewBatch, render_sharded

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from gstrain import extensions
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.metrics import ssim_conv
-from gstrain.train import fused_ssim as fused_mod
-from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim
-from gstrain.train.losses import photometric_loss, training_loss_for
+from gstrain.train.fused_ssim import fused_photometric_loss, fused_ssim, training_loss_for
+from gstrain.train.losses import photometric_loss
 from gstrain.train.trainer import Trainer
 
 VALUE_TOL = 1e-5  # relative error of the mean SSIM
@@ -176,7 +176,7 @@ class TestFusedSsimCuda:
         scene = load_scene(demo_scene)
         trainers = {}
         for enabled in (True, False):
-            cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": enabled}}])
+            cfg = build_config(overrides=[{"train": {"steps": 1}, "dev": {"fused_ssim": enabled}}])
             trainers[enabled] = Trainer(cfg, scene, tmp_path / f"run_{enabled}", torch.device("cuda"),
                                         log=lambda m: None)  # fmt: skip
         # the conv trainer, built second, leaves the fused one's loss alone
@@ -192,7 +192,7 @@ class TestFusedSsimCuda:
 
 def test_loss_choice_by_device_and_flag_builds_only_for_the_fused_one(monkeypatch):
     builds = []
-    monkeypatch.setattr(fused_mod, "ensure_built", lambda: builds.append(1))
+    monkeypatch.setattr(extensions, "ssim", lambda: builds.append(1))
     assert training_loss_for(torch.device("cuda"), True) is fused_photometric_loss and builds == [1]
     assert training_loss_for(torch.device("cuda", 0), True) is fused_photometric_loss and builds == [1, 1]
     assert training_loss_for(torch.device("cuda"), False) is photometric_loss
@@ -203,7 +203,7 @@ def test_loss_choice_by_device_and_flag_builds_only_for_the_fused_one(monkeypatc
 
 def test_trainer_on_cpu_trains_with_the_conv_loss(demo_scene, tmp_path):
     scene = load_scene(demo_scene)
-    cfg = build_config(overrides=[{"train": {"steps": 1, "fused_ssim": True}}])  # asked for; the CPU cannot
+    cfg = build_config(overrides=[{"train": {"steps": 1}, "dev": {"fused_ssim": True}}])  # asked for; the CPU cannot
     trainer = Trainer(cfg, scene, tmp_path / "a", torch.device("cpu"), log=lambda m: None)
     assert trainer.runner.loss_fn is photometric_loss
 

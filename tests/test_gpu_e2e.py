@@ -8,6 +8,8 @@ import pytest
 import torch
 from cli_util import run_cli
 
+from gstrain.choices import ATOMIC_MODES
+
 pytestmark = pytest.mark.cuda
 
 
@@ -51,7 +53,7 @@ def test_modes_agree_on_a_training_step(demo_scene):
     grads, losses = {}, {}
     # every mode, gsplat's rasterizer included, against the pure-PyTorch reference renderer in
     # float64 (as tests/test_cuda_render.py does; float32 projection adds its own rounding)
-    for mode in ("reference", "atomic", "warp", "distwar", "arc", "gsplat"):
+    for mode in ("reference", *ATOMIC_MODES, "gsplat"):
         # gsplat's rasterizer is the render.backend=gsplat; the others are our backward's reductions
         render = {"backend": mode} if mode in ("reference", "gsplat") else {"backend": "cuda", "atomic_mode": mode}
         dtype = torch.float64 if mode == "reference" else torch.float32
@@ -68,7 +70,7 @@ def test_modes_agree_on_a_training_step(demo_scene):
         losses[mode] = float(loss.detach())
         grads[mode] = {k: p.grad.detach().double() for k, p in params.items()}
     assert set(grads["reference"]) == {"means", "scales", "quats", "opacities", "sh0", "shN"}
-    for mode in ("atomic", "warp", "distwar", "arc", "gsplat"):
+    for mode in (*ATOMIC_MODES, "gsplat"):
         assert abs(losses[mode] - losses["reference"]) < 1e-4 * abs(losses["reference"]), mode
         assert grads[mode].keys() == grads["reference"].keys(), mode
         for key, g in grads[mode].items():

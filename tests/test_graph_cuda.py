@@ -1,4 +1,4 @@
-"""train.cuda_graphs on the GPU: the sync-free intersection equals the synced one, the device-side
+"""dev.cuda_graphs on the GPU: the sync-free intersection equals the synced one, the device-side
 Adam scalars and skip flag, and graph steps computing the eager steps' function (overflow redo
 included). Run by bench/gpu_tests.sh."""
 
@@ -11,22 +11,12 @@ import pytest
 import torch
 from cli_util import run_cli
 
+from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
-
-
-def _trainer(scene, tmp_path, name: str, graphs: bool, mode: str = "warp", refine_start: int = 4) -> Trainer:
-    cfg = build_config(overrides=[{
-        "train": {"steps": 500, "cuda_graphs": graphs, "device": "cuda"},
-        "render": {"atomic_mode": mode},
-        "strategy": {"refine_start": refine_start, "refine_every": 10, "reset_every": 15},
-    }])  # fmt: skip
-    trainer = Trainer(cfg, scene, tmp_path / name, torch.device("cuda"), log=lambda m: None)
-    trainer.timer.enabled = False  # the loop sets it per step (log.time_every); timed steps run eagerly
-    return trainer
 
 
 def _splats(scene):
@@ -41,7 +31,8 @@ def _splats(scene):
 
 
 def test_capped_intersection_equals_the_synced_one(demo_scene):
-    from gstrain.render.cuda import ensure_built, project_splats
+    from gstrain import extensions
+    from gstrain.render.cuda import project_splats
     from gstrain.render.isect import PairBudget, capped_intersection
 
     scene = load_scene(demo_scene)
@@ -61,7 +52,7 @@ def test_capped_intersection_equals_the_synced_one(demo_scene):
             assert budget.pair_sum.tolist() == [before, kept, kept]
         # too small: the flag takes the step's tag, the record is not counted, the peak is
         budget = PairBudget.on(torch.device("cuda"), kept - 7, tag=torch.tensor([12.0], device="cuda"))
-        small = capped_intersection(ensure_built(), ref.means2d, ref.radii, ref.depths, ref.conics, ref.opacities,
+        small = capped_intersection(extensions.raster(), ref.means2d, ref.radii, ref.depths, ref.conics, ref.opacities,
                                     view.width, view.height, 16, budget)  # fmt: skip
         assert int(budget.flag) == 12 and int(small.n_isects) == kept - 7
         assert budget.pair_sum.tolist() == [0, 0, kept]
@@ -159,48 +150,6 @@ def _same_model(a: Trainer, b: Trainer, tol: float) -> None:
                   float(y.abs().max().clamp_min(1.0)))  # fmt: skip
 
 
-def _mixed_sizes(scene):
-    """The scene with its training views cropped (bottom and right: K stays) to four sizes."""
-    from dataclasses import replace
-
-    crops = [(64, 64), (57, 60), (64, 47), (41, 33)]
-    train = [replace(v, image=v.image[: crops[i % 4][0], : crops[i % 4][1]].contiguous())
-             for i, v in enumerate(scene.train)]  # fmt: skip
-    return replace(scene, train=train)
-
-
-def _eager_steps_on_the_canvas(monkeypatch, canvas: tuple[int, int]) -> None:
-    """Every eager step as a canvas step: the view padded into the canvas, its size on the device,
-    as a graph step runs it (a canvas step equals the step at the view's own size within float
-    tolerance: test_sized_projection_cuda.py)."""
-    from dataclasses import replace
-
-    from gstrain.render.isect import PairBudget
-    from gstrain.train.step import StepRunner
-
-    original = StepRunner.run
-
-    def on_canvas(self, params, optimizers, step, viewmat, K, gt, sh_degree, background, scheduler=None,
-                  mask=None, valid=None):  # fmt: skip
-        if valid is not None:  # a graph step's capture
-            return original(self, params, optimizers, step, viewmat, K, gt, sh_degree, background,
-                            scheduler=scheduler, mask=mask, valid=valid)  # fmt: skip
-        height, width = gt.shape[:2]
-        padded = gt.new_zeros((*canvas, gt.shape[2]))
-        padded[:height, :width] = gt
-        size = torch.tensor([width, height], dtype=torch.int32, device=gt.device)
-        options = self.renderer.options
-        self.renderer.options = replace(options, pair_budget=PairBudget.on(gt.device, 1 << 20), valid_size=size)
-        try:
-            result = original(self, params, optimizers, step, viewmat, K, padded, sh_degree, background,
-                              scheduler=scheduler, mask=mask, valid=size)  # fmt: skip
-        finally:
-            self.renderer.options = options
-        return replace(result, image=result.image[:height, :width])
-
-    monkeypatch.setattr(StepRunner, "run", on_canvas)
-
-
 @pytest.mark.parametrize("overflow", [False, True])
 def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow):
     """Thirty steps with refinements (10, 20) and an opacity reset (15) between graph replays and
@@ -213,9 +162,9 @@ def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overfl
 
     scene = load_scene(demo_scene)
     seed_everything(0)
-    graphed = _trainer(scene, tmp_path, "g", graphs=True)
+    graphed = graph_trainer(scene, tmp_path, "g", graphs=True)
     seed_everything(0)
-    eager = _trainer(scene, tmp_path, "e", graphs=False)
+    eager = graph_trainer(scene, tmp_path, "e", graphs=False)
     assert graphed.graphs is not None and eager.graphs is None
     if overflow:  # buffers for a fifth of the most pairs seen: the first replay overflows
         monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
@@ -254,12 +203,12 @@ def test_canvas_graph_steps_equal_eager_canvas_steps(demo_scene, tmp_path, monke
     from gstrain.train import graph_step
     from gstrain.train.trainer import seed_everything
 
-    scene = _mixed_sizes(load_scene(demo_scene))
-    _eager_steps_on_the_canvas(monkeypatch, (64, 64))
+    scene = mixed_sizes(load_scene(demo_scene))
+    eager_steps_on_the_canvas(monkeypatch, (64, 64))
     runs = {}
     for name, graphs in (("graph", True), ("eager", False)):
         seed_everything(0)
-        runs[name] = _trainer(scene, tmp_path, name, graphs=graphs)
+        runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs)
     if overflow:
         monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
         monkeypatch.setattr(graph_step, "CAPACITY_MARGIN", 0.2)
@@ -284,7 +233,7 @@ def test_canvas_graph_steps_equal_eager_canvas_steps(demo_scene, tmp_path, monke
 def test_fit_with_graphs_trains_resumes_and_reports(demo_scene, tmp_path):
     run = tmp_path / "run"
     common = ("--device", "cuda", "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
-              "--set", "log.time_every=7", "--set", "train.sh_degree_interval=100")  # fmt: skip
+              "--set", "dev.time_every=7", "--set", "train.sh_degree_interval=100")  # fmt: skip
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--set", "train.stop_at=200", *common)
     assert proc.returncode == 0, proc.stderr
     initial = json.loads((run / "train_summary.json").read_text())["initial_test_psnr"]

@@ -1,4 +1,4 @@
-"""The host side of train.cuda_graphs (gstrain/train/graph_step.py), on the CPU: Adam's counts
+"""The host side of dev.cuda_graphs (gstrain/train/graph_step.py), on the CPU: Adam's counts
 and the rate decay advanced per replay and taken back for a redo, which steps a strategy lets a
 graph replay, and when ARC re-tunes. The graphs themselves: tests/test_graph_cuda.py."""
 
@@ -9,6 +9,7 @@ import math
 import torch
 
 from gstrain.config import StrategyConfig, build_config
+from gstrain.dev_config import DevConfig
 from gstrain.render import Renderer
 from gstrain.train import fused_adam
 from gstrain.train.optim import ExponentialDecay
@@ -64,7 +65,7 @@ def test_default_strategy_lets_graphs_replay_only_statistics_steps():
     assert not s.graph_safe_at(3000) and not s.graph_safe_at(6000)  # opacity resets (3000: both)
     assert s.graph_safe_at(15_000) and s.graph_safe_at(18_000)  # past refine_stop: nothing happens
     assert s.graph_key(14_999)[0] is True and s.graph_key(15_000) == (False,)  # statistics kept, or not
-    slow = DefaultStrategy(StrategyConfig(fast_stats=False), 1.0, torch.device("cpu"))
+    slow = DefaultStrategy(StrategyConfig(), 1.0, torch.device("cpu"), DevConfig(fast_stats=False))
     assert not slow.graph_safe_at(1)  # gsplat's own statistics sync: never in a graph
 
 
@@ -117,7 +118,7 @@ def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[lis
     monkeypatch.setattr(graphs, "_graph_step", graph_step)
     trainer.graphs = graphs
     for step in range(steps):
-        trainer.timer.enabled = step % 7 == 0 and step > 0  # as fit does with log.time_every=7
+        trainer.timer.enabled = step % 7 == 0 and step > 0  # as fit does with dev.time_every=7
         before = dict(graphs.eager_steps)
         kinds.append(None)
         trainer.train_step(step)
@@ -262,7 +263,7 @@ def test_views_of_several_sizes_share_a_canvas_and_graphs_by_capacity_class():
     from gstrain.train.graph_step import GraphSteps
 
     t = _FakeTrainer()
-    t.cfg = build_config(overrides=[{"train": {"fused_ssim": True}}])
+    t.cfg = build_config(overrides=[{"dev": {"fused_ssim": True}}])
     t.train_images = [torch.zeros(h, w, 3, dtype=torch.uint8) for h, w in ((60, 80), (64, 70), (50, 90), (60, 80))]
     graphs = GraphSteps(t)
     assert graphs.canvas == (64, 90, 3)

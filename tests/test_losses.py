@@ -66,11 +66,20 @@ def test_ssim_batched_equals_mean_of_singles():
     assert torch.allclose(ssim_conv(a, b), single, atol=1e-6)
 
 
-def test_ssim_gradient_flows():
-    gt = _img(12, 10, 7)
-    img = _img(12, 10, 8).requires_grad_(True)
-    (1 - ssim_conv(img, gt)).backward()
-    assert img.grad is not None and torch.isfinite(img.grad).all() and img.grad.abs().sum() > 0
+def test_ssim_gradient_matches_finite_differences_of_the_brute_force():
+    """dSSIM/dimg from autograd through ssim_conv, against central differences of the float64
+    brute-force SSIM, at pixels in the corners (zero padding), on the edges and inside."""
+    gt = _img(7, 6, 7).double()
+    img = _img(7, 6, 8).double().requires_grad_(True)
+    ssim_conv(img, gt).backward()
+    a, b, h = img.detach().numpy(), gt.numpy(), 1e-6
+    for i, j, c in [(0, 0, 0), (6, 5, 2), (0, 3, 1), (3, 0, 2), (3, 2, 0), (4, 4, 1), (6, 1, 0)]:
+        up, down = a.copy(), a.copy()
+        up[i, j, c] += h
+        down[i, j, c] -= h
+        numeric = (_ssim_brute_force(up, b) - _ssim_brute_force(down, b)) / (2 * h)
+        assert abs(numeric) > 1e-5, (i, j, c)  # a gradient worth comparing
+        assert math.isclose(float(img.grad[i, j, c]), numeric, rel_tol=1e-5, abs_tol=1e-9), (i, j, c)
 
 
 def test_psnr_known_mse():
@@ -96,7 +105,11 @@ def test_photometric_loss_combination():
     assert torch.allclose(terms["ssim"], ssim_conv(img, gt).detach())
     assert not terms["l1"].requires_grad
     loss.backward()
-    assert img.grad is not None
+    # d/dimg: 0.7 sign(img - gt) / numel from the L1 (known), and 0.3 x -dSSIM/dimg
+    ssim_img = img.detach().clone().requires_grad_(True)
+    ssim_conv(ssim_img, gt).backward()
+    want_grad = 0.7 * torch.sign(img.detach() - gt) / img.numel() - 0.3 * ssim_img.grad
+    assert torch.allclose(img.grad, want_grad, rtol=1e-5, atol=1e-8)
 
 
 def test_photometric_loss_takes_its_ssim_as_an_argument():

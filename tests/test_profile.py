@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_util import run_cli
-from conftest import SHARED_DATA
 
+from conftest import SHARED_DATA
 from gstrain.config import Config
 from gstrain.errors import UserError
 from gstrain.profile import (
@@ -65,20 +65,20 @@ def test_switch_variants_turn_off_one_switch_each_and_all_for_the_baseline():
     variants = switch_variants(cfg)
     assert list(variants) == ["all on", *SWITCHES, "+ sparse Adam", "baseline"]
     assert variants["+ sparse Adam"].optim.sparse_adam is True and variants["all on"].optim.sparse_adam is False
-    assert variants["no ellipse cull"].render.ellipse_cull is False and variants["all on"].render.ellipse_cull
-    assert variants["all on"].render.atomic_mode == "arc" and variants["all on"].optim.fused_adam
-    assert variants["torch Adam"].optim.fused_adam is False and variants["torch Adam"].train.fused_ssim
+    assert variants["no ellipse cull"].dev.ellipse_cull is False and variants["all on"].dev.ellipse_cull
+    assert variants["all on"].render.atomic_mode == "arc" and variants["all on"].dev.fused_adam
+    assert variants["torch Adam"].dev.fused_adam is False and variants["torch Adam"].dev.fused_ssim
     assert variants["gsplat raster"].render.backend == "gsplat"
     base = variants["baseline"]
-    assert base.render.ellipse_cull is False and base.optim.sparse_adam is False
+    assert base.dev.ellipse_cull is False and base.optim.sparse_adam is False
     # a configuration that has the opt-in switch on already profiles no extra column for it
     cfg_on = Config()
     cfg_on.optim.sparse_adam = True
     on = switch_variants(cfg_on)
     assert "+ sparse Adam" not in on and on["baseline"].optim.sparse_adam is False
-    assert (base.render.backend, base.train.fused_ssim, base.optim.fused_adam, base.strategy.fast_stats) == (
+    assert (base.render.backend, base.dev.fused_ssim, base.dev.fused_adam, base.dev.fast_stats) == (
         "gsplat", False, False, False)
-    assert cfg.optim.fused_adam  # the input is not modified
+    assert cfg.dev.fused_adam  # the input is not modified
 
 
 def test_profile_config_times_whole_windows_on_cpu(demo_scene):
@@ -110,8 +110,8 @@ def test_profile_columns_from_the_flags():
 
 def test_column_config_picks_backend_and_mode():
     cfg = Config()
-    cfg.render.atomic_threshold = 5
-    assert (column_config(cfg, "gsplat").render.backend, column_config(cfg, "gsplat").render.atomic_threshold) == (
+    cfg.dev.atomic_threshold = 5
+    assert (column_config(cfg, "gsplat").render.backend, column_config(cfg, "gsplat").dev.atomic_threshold) == (
         "gsplat", 5)
     warp = column_config(cfg, "warp").render
     assert (warp.backend, warp.atomic_mode) == ("cuda", "warp")

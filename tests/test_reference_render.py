@@ -233,18 +233,19 @@ def test_fitting_colours_and_opacities_reduces_loss() -> None:
 
 def test_renderer_picks_backend_and_carries_one_options_object():
     from gstrain.config import RenderConfig
+    from gstrain.dev_config import DevConfig
     from gstrain.errors import UserError
     from gstrain.render import Renderer
     from gstrain.render.common import RasterOptions
 
     cpu = torch.device("cpu")
-    renderer = Renderer(RenderConfig(atomic_mode="distwar", atomic_threshold=5), cpu, absgrad=True)
+    renderer = Renderer(RenderConfig(atomic_mode="distwar"), cpu, absgrad=True, dev=DevConfig(atomic_threshold=5))
     assert renderer.backend == "reference" and renderer.atomic_threshold is None
     # the config's ellipse cull and fused SH (on by default) reach the options; only the gsplat
     # backend drops them
     assert renderer.options == RasterOptions(absgrad=True, atomic_mode="distwar", atomic_threshold=5,
                                              ellipse_cull=True, fused_sh=True)  # fmt: skip
-    off = Renderer(RenderConfig(fused_sh=False), cpu)
+    off = Renderer(RenderConfig(), cpu, dev=DevConfig(fused_sh=False))
     assert not off.options.fused_sh and off.options.ellipse_cull
     if not torch.cuda.is_available():
         for backend in ("cuda", "gsplat"):

@@ -1,7 +1,7 @@
 """The fused SH colours (render/sh_colors.py, csrc/sh_colors.cu) against gsplat's path
 (render/cuda.splat_colors without `fused`: gsplat's spherical_harmonics between tensor ops) and
 against the float64 reference (render/sh.py), forward and backward, at every degree; and a whole
-render with render.fused_sh on against off."""
+render with dev.fused_sh on against off."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_a_render_with_fused_sh_equals_one_without():
     viewmat = torch.eye(4, device="cuda")
     out = {}
     for fused in (False, True):
-        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp", "fused_sh": fused}}])
+        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp"}, "dev": {"fused_sh": fused}}])
         renderer = Renderer(cfg.render, torch.device("cuda"))
         assert renderer.options.fused_sh == fused
         params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.cuda()) for k, v in base.items()})

@@ -132,8 +132,8 @@ def test_canvas_step_equals_the_step_at_the_views_size(demo_scene, crop, antiali
     valid = torch.tensor([width, height], dtype=torch.int32, device="cuda")
     out = {}
     for name in ("view", "canvas"):
-        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp", "ellipse_cull": True,
-                                                  "antialiased": antialiased}}])  # fmt: skip
+        cfg = build_config(overrides=[{"render": {"atomic_mode": "warp", "antialiased": antialiased},
+                                       "dev": {"ellipse_cull": True}}])  # fmt: skip
         renderer = Renderer(cfg.render, torch.device("cuda"))
         budget = PairBudget.on(torch.device("cuda"), 1 << 16)
         renderer.options = replace(renderer.options, pair_budget=budget,

@@ -9,6 +9,7 @@ strategy rewrote the optimizer state (densification) and across a checkpoint rou
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from gsplat.strategy import DefaultStrategy
 from gsplat.strategy.ops import duplicate
 
 from gstrain.config import StrategyConfig, build_config
+from gstrain.dev_config import DevConfig
 from gstrain.train.optim import build_optimizers
 from gstrain.train.strategies import build_strategy
 from gstrain.train.strategies.default import FastStatsStrategy
@@ -64,8 +66,8 @@ def test_fast_stats_equal_gsplat_on_cpu(absgrad):
 
 
 def test_default_strategy_picks_fast_stats_by_config():
-    on = build_strategy(StrategyConfig(fast_stats=True), 1.0, torch.device("cpu"))
-    off = build_strategy(StrategyConfig(fast_stats=False), 1.0, torch.device("cpu"))
+    on = build_strategy(StrategyConfig(), 1.0, torch.device("cpu"), DevConfig(fast_stats=True))
+    off = build_strategy(StrategyConfig(), 1.0, torch.device("cpu"), DevConfig(fast_stats=False))
     assert type(on.gsplat) is FastStatsStrategy
     assert type(off.gsplat) is DefaultStrategy
 
@@ -73,8 +75,23 @@ def test_default_strategy_picks_fast_stats_by_config():
 def test_fast_stats_defers_to_gsplat_for_radii_statistic():
     strategy = FastStatsStrategy(refine_scale2d_stop_iter=100)
     state = strategy.initialize_state(scene_scale=1.0)
-    strategy._update_state(_params(N, "cpu"), state, _info(N, "cpu"))
-    assert state["radii"] is not None  # gsplat's own code ran (ours keeps no radii)
+    info = _info(N, "cpu")
+    strategy._update_state(_params(N, "cpu"), state, info)
+    # brute force, one Gaussian at a time: seen when both radii are > 0; then the radii statistic
+    # is its larger radius over the image's longer side, the count 1, and grad2d the norm of its
+    # gradient in [-1, 1] screen units (x by width / 2, y by height / 2)
+    width, height = info["width"], info["height"]
+    radii, grads = info["radii"][0].tolist(), info["means2d"].grad[0].tolist()
+    want_radii, want_count, want_grad = [], [], []
+    for (rx, ry), (gx, gy) in zip(radii, grads, strict=True):
+        seen = rx > 0 and ry > 0
+        want_radii.append(max(rx, ry) / max(width, height) if seen else 0.0)
+        want_count.append(1.0 if seen else 0.0)
+        want_grad.append(math.hypot(gx * width / 2, gy * height / 2) if seen else 0.0)
+    assert 0 < sum(want_count) < N
+    assert torch.allclose(state["radii"], torch.tensor(want_radii), rtol=1e-6, atol=0)  # ours keeps no radii
+    assert torch.equal(state["count"], torch.tensor(want_count))
+    assert torch.allclose(state["grad2d"], torch.tensor(want_grad), rtol=1e-5, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -230,7 +247,7 @@ def test_fit_with_each_switch_off_still_trains(demo_scene, tmp_path):
 
     from cli_util import run_cli
 
-    for flag in ("optim.fused_adam=false", "strategy.fast_stats=false", "optim.sparse_adam=true"):
+    for flag in ("dev.fused_adam=false", "dev.fast_stats=false", "optim.sparse_adam=true"):
         run = tmp_path / flag.split("=")[0]
         proc = run_cli("fit", demo_scene, "--out", run, "--steps", "200", "--device", "cuda", "--set", flag,
                        "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50")

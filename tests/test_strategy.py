@@ -10,14 +10,15 @@ import pytest
 import torch
 from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
 
-from gstrain.config import STRATEGIES, OptimConfig, StrategyConfig, build_config
+from gstrain.config import OptimConfig, StrategyConfig, build_config
+from gstrain.dev_config import DevConfig
 from gstrain.errors import UserError
 from gstrain.train.optim import build_optimizers
 from gstrain.train.strategies import build_strategy, strategy_class
 from gstrain.train.strategies.base import Strategy
 from gstrain.train.strategies.default import DefaultStrategy, gsplat_skips_opacity_reset
 from gstrain.train.strategies.mcmc import McmcStrategy
-from gstrain.train.strategies.registry import REGISTRY
+from gstrain.train.strategies.registry import REGISTRY, STRATEGY_NAMES
 
 N = 16
 # no growing or pruning before step 10,000, so only the reset can touch the opacities
@@ -55,8 +56,8 @@ def step_at(strategy: Strategy, params, optimizers, step: int) -> bool:
 
 @pytest.mark.parametrize("fast_stats", [True, False])
 def test_opacities_reset_on_schedule(fast_stats):
-    cfg = StrategyConfig(fast_stats=fast_stats, **QUIET)
-    densifier = build_strategy(cfg, scene_extent=1.0, device=torch.device("cpu"))
+    cfg = StrategyConfig(**QUIET)
+    densifier = build_strategy(cfg, scene_extent=1.0, device=torch.device("cpu"), dev=DevConfig(fast_stats=fast_stats))
     params, optimizers = make_model()
     before = params["opacities"].detach().clone()
 
@@ -125,7 +126,7 @@ def test_detection_follows_a_fixed_gsplat(monkeypatch):
 
 
 def test_registry_names_are_the_config_choices_and_build_their_classes():
-    assert STRATEGIES == tuple(REGISTRY) == ("default", "mcmc")
+    assert STRATEGY_NAMES == tuple(REGISTRY) == ("default", "mcmc")
     assert strategy_class("default") is DefaultStrategy and strategy_class("mcmc") is McmcStrategy
     with pytest.raises(UserError, match="strategy.name must be one of default, mcmc; got 'nope'"):
         strategy_class("nope")

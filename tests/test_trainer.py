@@ -102,8 +102,8 @@ def test_checkpoints_and_timer_leave_training_unchanged(scene, tmp_path):
         cfg = build_config(overrides=[
             {"train": {"steps": 45, "seed": 5}, "model": {"sh_degree": 1},
              "strategy": {"refine_start": 5, "refine_every": 10, "reset_every": 20},
-             "log": {"progress_every": 5, "ckpt_every": ckpt_every, "time_every": time_every, "tb_every": 1000,
-                     "eval_steps": [], "save_steps": []}},
+             "log": {"progress_every": 5, "ckpt_every": ckpt_every, "tb_every": 1000, "eval_steps": [],
+                     "save_steps": []}, "dev": {"time_every": time_every}},
         ])  # fmt: skip
         run_dir = tmp_path / name
         run_dir.mkdir()
@@ -155,7 +155,7 @@ def test_run_record_keeps_the_fields_studies_read(scene, tmp_path):
     names bench scripts read; per-phase means cover the timed windows."""
     trainer = make_trainer(scene, tmp_path / "run", steps=10)
     trainer.cfg.log.tb_every = 5
-    trainer.cfg.log.time_every = 1
+    trainer.cfg.dev.time_every = 1
     result = trainer.fit()
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     for key in ("status", "steps", "first_step", "seconds", "num_gaussians", "max_gaussians", "initial_test_psnr",

@@ -14,9 +14,10 @@ def test_commands_take_the_distributed_path_with_the_global_batch():
     assert not any("dist." in a for a in plain)
     four = scaling.fit_command(Path("s"), Path("o"), 4, "locality", 8, 100, 0, "cuda", [])
     assert Path(four[0]).name == "torchrun" and four[1] == "--nproc-per-node=4" and four[2:4] == ["-m", "gstrain"]
-    assert "dist.partition=locality" in four and "train.batch_size=8" in four and "dist.always=true" not in four
+    assert "dist.partition=locality" in four and "train.batch_size=8" in four
+    assert "dev.always_distributed=true" not in four
     one = scaling.fit_command(Path("s"), Path("o"), 1, "random", 1, 100, 0, "cpu", [])
-    assert "dist.always=true" in one  # one process still takes the sharded path
+    assert "dev.always_distributed=true" in one  # one process still takes the sharded path
 
 
 def test_table_compares_each_run_with_one_process_at_the_same_batch():

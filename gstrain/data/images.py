@@ -18,13 +18,13 @@ import pycolmap
 import torch
 from PIL import Image
 
-from gstrain.data.masks import MaskReader
+from gstrain.data.masks import ALPHA_MODES, MaskReader
 from gstrain.data.scene import View
 from gstrain.errors import UserError
 
 PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp")
-_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
 _GREY_MODES = ("L", "LA", "La", "1")
 # What PIL raises on bad image files (SyntaxError and struct.error come from some PNG/TIFF parsers).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
@@ -92,7 +92,7 @@ class ViewLoader:
         """The view, and the distorted model name when it was undistorted (else None)."""
         file = source.file
         pil, mode = decode(file, self.composite_over)
-        if mode in _ALPHA_MODES:
+        if mode in ALPHA_MODES:
             self.alpha.append(source.name)
         if mode in _GREY_MODES:
             self.grey.append(source.name)
@@ -170,7 +170,7 @@ def decode(file: Path, composite_over: np.ndarray | None = None) -> tuple[Image.
                 peak = 65535.0 if img.mode != "F" else max(float(arr.max()), 1.0)
                 grey = np.clip(arr / peak * 255.0 + 0.5, 0, 255).astype(np.uint8)
                 return Image.fromarray(grey).convert("RGB"), "L"
-            if composite_over is not None and mode in _ALPHA_MODES:
+            if composite_over is not None and mode in ALPHA_MODES:
                 return _composite(np.asarray(img.convert("RGBA")), composite_over), mode
             return img.convert("RGB"), mode
     except DECODE_ERRORS as exc:

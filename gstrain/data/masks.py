@@ -21,7 +21,8 @@ from PIL import Image
 from gstrain.data.scene import View
 from gstrain.errors import UserError
 
-_ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
+# PIL modes that carry an alpha channel (colmap.py reads the same list)
+ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 
 
 class MaskReader:
@@ -123,7 +124,7 @@ def _read_alpha(image_file: Path) -> np.ndarray | None:
     """
     try:
         with Image.open(image_file) as img:
-            if img.mode not in _ALPHA_MODES and "transparency" not in img.info:
+            if img.mode not in ALPHA_MODES and "transparency" not in img.info:
                 return None
             alpha = img.convert("RGBA").getchannel("A")
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

@@ -21,7 +21,7 @@ __all__ = ["collective_errors", "finish_process_group", "init_from_env", "on_ran
 
 def torchrun_world(always: bool = False) -> int:
     """The number of ranks when `gstrain fit` takes the distributed path, else 0: WORLD_SIZE as
-    torchrun set it when above 1, or 1 with `always` (dist.always) under a one-process torchrun."""
+    torchrun set it when above 1, or 1 with `always` (dev.always_distributed) under a one-process torchrun."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0
     try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from gstrain.choices import COMPRESSIONS
+
 # differentiable part, in this column order: means2d 2, conic 3, opacity 1, colour 3
 DIFF_COLUMNS = (("means2d", 2), ("conics", 3), ("opacities", 1), ("colors", 3))
 N_DIFF = sum(n for _, n in DIFF_COLUMNS)  # 9
@@ -16,7 +18,6 @@ META_COLUMNS = (("depth", 1), ("radii", 2))
 N_META = sum(n for _, n in META_COLUMNS)  # 3
 META_DTYPE = torch.int32
 COUNT_DTYPE = torch.int64  # per-view record counts, exchanged before the records
-COMPRESS = ("none", "fp16")
 
 
 # compress=fp16 keeps the record's leading columns, means2d and conics, at full precision: a
@@ -28,8 +29,8 @@ FULL_PRECISION_COLUMNS = 5
 
 
 def _check_compress(compress: str) -> None:
-    if compress not in COMPRESS:
-        raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"compress must be one of {COMPRESSIONS}, got {compress!r}")
 
 
 def wire_segments(dtype: torch.dtype, compress: str, n_columns: int = N_DIFF) -> list[tuple[int, torch.dtype]]:

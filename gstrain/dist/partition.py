@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gstrain.choices import PARTITIONS  # views: gstrain/dist/view_partition.py
 from gstrain.render.reference import project_gaussians
 
 __all__ = [
-    "PARTITIONS", "AccessProfile", "access_profile", "assign_homes", "load_imbalance", "locality_partition",
+    "AccessProfile", "access_profile", "assign_homes", "load_imbalance", "locality_partition",
     "make_partition",
     "morton_codes", "random_partition", "round_robin_partition", "shard_indices", "view_owner_counts",
 ]  # fmt: skip
 
-PARTITIONS = ("locality", "random", "round_robin", "views")  # views: gstrain/dist/view_partition.py
 MORTON_BITS = 21  # per axis: 63-bit codes fit int64
 
 

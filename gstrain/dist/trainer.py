@@ -326,7 +326,7 @@ class DistTrainer(Trainer):
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not lead)
         with _Signals() as signals:
             while self.step < end:
-                self.timer.enabled = timed_step(self.step, cfg.log.time_every)
+                self.timer.enabled = timed_step(self.step, cfg.dev.time_every)
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step

@@ -1,5 +1,5 @@
 """render(params, view) -> (image, alpha, info), on our CUDA kernels, gsplat's rasterizer or the
-PyTorch reference (render.backend; config.BACKENDS).
+PyTorch reference (render.backend; choices.BACKENDS).
 
 `info` carries what gsplat's strategies read: means2d (the tensor whose gradient they collect),
 radii, width, height, n_cameras.
@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from gstrain.choices import CUDA_BACKENDS
 from gstrain.config import RenderConfig
+from gstrain.dev_config import DevConfig
 from gstrain.errors import UserError
 from gstrain.render.common import RasterOptions
 
-# backends that run gsplat's projection and a CUDA rasterizer (ours or gsplat's)
-CUDA_BACKENDS = ("cuda", "gsplat")
 RETUNE_CHANGE = 0.2  # ARC re-tunes after densification once the population moved by this fraction
 
 
@@ -33,9 +33,12 @@ def resolve_device(requested: str) -> torch.device:
 
 
 class Renderer:
-    """Chooses the backend once, and owns the ARC tuner that re-tunes after densification."""
+    """Chooses the backend once, and owns the ARC tuner that re-tunes after densification.
 
-    def __init__(self, cfg: RenderConfig, device: torch.device, absgrad: bool = False) -> None:
+    `dev`: the speed switches and distwar's threshold (a config's dev section; None: their defaults)."""
+
+    def __init__(self, cfg: RenderConfig, device: torch.device, absgrad: bool = False,
+                 dev: DevConfig | None = None) -> None:  # fmt: skip
         backend = cfg.backend
         if backend == "auto":
             backend = "cuda" if device.type == "cuda" else "reference"
@@ -44,22 +47,23 @@ class Renderer:
         self.backend = backend
         self.cfg = cfg
         self.device = device
+        self.dev = dev = dev if dev is not None else DevConfig()
         self.absgrad = absgrad
         self.tuner = None
         self._tuned_count: int | None = None  # population when ARC last started a round
         if backend == "cuda":
+            from gstrain import extensions
             from gstrain.render.arc import ArcTuner
-            from gstrain.render.cuda import ensure_built
 
-            ensure_built()
+            extensions.raster()
             if cfg.atomic_mode == "arc":  # one tuner per renderer: its own scene, sizes and population
                 self.tuner = ArcTuner()
         # backend gsplat is gsplat's own pipeline (the comparisons' baseline): its intersection and SH too
         ours = backend != "gsplat"
         self.options = RasterOptions(
-            absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=cfg.atomic_threshold,
-            tuner=self.tuner, gsplat_raster=not ours, ellipse_cull=cfg.ellipse_cull and ours,
-            fused_sh=cfg.fused_sh and ours, antialiased=cfg.antialiased,
+            absgrad=absgrad, atomic_mode=cfg.atomic_mode, atomic_threshold=dev.atomic_threshold,
+            tuner=self.tuner, gsplat_raster=not ours, ellipse_cull=dev.ellipse_cull and ours,
+            fused_sh=dev.fused_sh and ours, antialiased=cfg.antialiased,
         )  # fmt: skip
         # render.filter_3d: the training cameras the rates come from, and the filter's per-Gaussian std
         self._filter_views: tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
@@ -186,4 +190,4 @@ class Renderer:
             return None
         if self.tuner is not None:
             return int(self.tuner.threshold)
-        return self.cfg.atomic_threshold
+        return self.dev.atomic_threshold

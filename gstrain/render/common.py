@@ -17,7 +17,7 @@ class RasterOptions:
 
     gsplat_raster: composite with gsplat's rasterize_to_pixels (render.backend=gsplat) instead of
     our kernels; the other fields then only keep absgrad. atomic_mode / atomic_threshold: our
-    backward's reduction (config.ATOMIC_MODES). tuner: arc's ArcTuner (None: the process-wide
+    backward's reduction (choices.ATOMIC_MODES). tuner: arc's ArcTuner (None: the process-wide
     one). vector_atomics: None = our default for the mode. ellipse_cull: drop the (Gaussian, tile)
     pairs whose alpha is provably < 1/255 on the whole tile before either rasterizer runs.
     fused_sh: the colours from the SH in one kernel each way (render/sh_colors.py) instead of gsplat's

@@ -1,8 +1,8 @@
-"""Our CUDA rasterizer: JIT build, autograd Function, and render_cuda(params, camera).
+"""Our CUDA rasterizer: autograd Function and render_cuda(params, camera) (gstrain.extensions builds it).
 
 Projection, spherical harmonics and tile intersection come from gsplat (the intersection
-from our csrc/isect.cu when render.ellipse_cull is on, the colours from our fused kernel
-csrc/sh_colors.cu when render.fused_sh is); rasterize forward and
+from our csrc/isect.cu when dev.ellipse_cull is on, the colours from our fused kernel
+csrc/sh_colors.cu when dev.fused_sh is); rasterize forward and
 backward are ours (gstrain/render/csrc), with the backward's atomic mode chosen per call:
   atomic   every contributing lane adds its own gradients (the original 3DGS kernel)
   warp     always reduce across the warp, lane 0 adds (gsplat's way)
@@ -15,15 +15,13 @@ render.backend=gsplat runs the same projection with gsplat's rasterize_to_pixels
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gstrain.config import ATOMIC_MODES
-from gstrain.cuda_build import check_toolchain, gencode_flags, load_extension
+from gstrain import extensions
+from gstrain.choices import ATOMIC_MODES
 from gstrain.errors import UserError
 from gstrain.render.arc import ArcTuner
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, phase, strategy_info
@@ -36,14 +34,6 @@ THRESHOLD_NEVER = 33  # more lanes than a warp has: never reduce (csrc/raster.h 
 TILE_SIZE = 16
 MAX_ABSGRAD_CHANNELS = 32  # csrc/raster.h kMaxChunkChannels
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bindings.cpp", "isect_bindings.cpp", "project_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu",
-            "raster_bwd_vec.cu", "isect.cu", "project.cu", "sh_colors.cu")
-_HEADERS = ("raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h", "isect_bindings.h", "project.h",
-            "project_bindings.h", "sh_colors.h", "torch_checks.h")
-_SOURCE_PATHS = tuple(_CSRC / f for f in _SOURCES)
-_HEADER_PATHS = tuple(_CSRC / f for f in _HEADERS)
-
 # sm_90 float4/float2 atomics on a padded gradient layout (the candidate beyond DISTWAR): 3
 # atomic instructions instead of 9 per flush; measured faster in every mode on an H200
 # (docs/benchmarks.md), so the default unless a call says otherwise.
@@ -54,16 +44,7 @@ VECTOR_ATOMICS_DEFAULT = True
 # Applies where a Gaussian's slots fit 16 (up to 8 channels); wider kernels keep the butterfly.
 SCATTER_REDUCE_DEFAULT = True
 
-# The build helpers under their former names (gstrain.cuda_build holds them now).
-_gencode_flags = gencode_flags
-_check_toolchain = check_toolchain
-
 _default_tuner: ArcTuner | None = None
-
-
-def ensure_built() -> ModuleType:
-    """Build (first run only) and load the extension; UserError when this machine cannot."""
-    return load_extension("gstrain_raster", _SOURCE_PATHS, _HEADER_PATHS)
 
 
 def default_tuner() -> ArcTuner:
@@ -119,7 +100,7 @@ class _RasterizeCuda(torch.autograd.Function):
         plan: _BackwardPlan,
         n_isects: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        ext = ensure_built()
+        ext = extensions.raster()
         image, alpha, t_final, last_ids = ext.rasterize_fwd(
             means2d,
             conics,
@@ -156,7 +137,7 @@ class _RasterizeCuda(torch.autograd.Function):
             threshold = plan.threshold
         if probe is not None:
             probe.start()
-        v_means2d, v_conics, v_colors, v_opacities, v_abs = ensure_built().rasterize_bwd(
+        v_means2d, v_conics, v_colors, v_opacities, v_abs = extensions.raster().rasterize_bwd(
             means2d,
             conics,
             colors,
@@ -299,7 +280,7 @@ def project_splats(
     if compensations is not None:
         opacities = opacities * compensations
     if budget is not None and ellipse_cull:
-        kept = capped_intersection(ensure_built(), means2d, radii, depths, conics, opacities, width, height,
+        kept = capped_intersection(extensions.raster(), means2d, radii, depths, conics, opacities, width, height,
                                    TILE_SIZE, budget, valid)  # fmt: skip
         return Splats(means2d, conics, depths, radii, opacities, kept.isect_offsets, kept.flatten_ids, width, height,
                       None, kept.n_isects)  # fmt: skip
@@ -321,7 +302,8 @@ def intersect_splats(
     if ellipse_cull and cull_kernel:
         from gstrain.render.isect import culled_intersection
 
-        kept = culled_intersection(ensure_built(), means2d, radii, depths, conics, opacities, width, height, TILE_SIZE)
+        kept = culled_intersection(extensions.raster(), means2d, radii, depths, conics, opacities, width, height,
+                                   TILE_SIZE)  # fmt: skip
         return Splats(means2d, conics, depths, radii, opacities, kept.isect_offsets, kept.flatten_ids, width, height,
                       (kept.pairs_before, kept.pairs_after))  # fmt: skip
     tiles_x = (width + TILE_SIZE - 1) // TILE_SIZE

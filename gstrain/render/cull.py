@@ -1,4 +1,4 @@
-"""Ellipse culling of (Gaussian, tile) pairs: render.ellipse_cull.
+"""Ellipse culling of (Gaussian, tile) pairs: dev.ellipse_cull.
 
 gsplat's isect_tiles pairs each Gaussian with every tile its 3-sigma bounding box touches, and
 both raster passes walk every pair. Many of those tiles only meet the box's corners, or lie where

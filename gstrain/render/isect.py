@@ -1,4 +1,4 @@
-"""The culled tile intersection on CUDA (render.ellipse_cull): pairs cut before the sort.
+"""The culled tile intersection on CUDA (dev.ellipse_cull): pairs cut before the sort.
 
 cull.cull_pairs filters gsplat's sorted pair list afterwards with ~30 tensor ops over every pair.
 Here our kernels (csrc/isect.cu) apply the same test while making the pairs: a count pass per

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gstrain import extensions
+
 # csrc/sh_colors.h kShBwdMaxRest: the backward stages at least a warp's shN rows in 48 KiB of
 # shared memory (degree 3 needs 15)
 MAX_REST = 128
@@ -23,20 +25,16 @@ class _ShColors(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor,
                 degree: int) -> Tensor:  # fmt: skip
-        from gstrain.render.cuda import ensure_built
-
-        (colors,) = ensure_built().sh_colors_fwd(means, sh0, shN, viewmat, radii, degree)
+        (colors,) = extensions.raster().sh_colors_fwd(means, sh0, shN, viewmat, radii, degree)
         ctx.save_for_backward(means, sh0, shN, viewmat, radii)
         ctx.degree = degree
         return colors
 
     @staticmethod
     def backward(ctx: Any, v_colors: Tensor) -> tuple[Tensor | None, ...]:
-        from gstrain.render.cuda import ensure_built
-
         means, sh0, shN, viewmat, radii = ctx.saved_tensors
-        v_means, v_sh0, v_shN = ensure_built().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
-                                                             v_colors.contiguous())  # fmt: skip
+        v_means, v_sh0, v_shN = extensions.raster().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
+                                                                  v_colors.contiguous())  # fmt: skip
         needs = ctx.needs_input_grad
         return (v_means if needs[0] else None, v_sh0 if needs[1] else None, v_shN if needs[2] else None,
                 None, None, None)  # fmt: skip

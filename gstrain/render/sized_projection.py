@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gstrain import extensions
+
 EPS2D = 0.3  # render/cuda.project_splats calls gsplat with these too
 NEAR_PLANE = 0.01
 FAR_PLANE = 1e10  # gsplat's default
@@ -25,10 +27,8 @@ class _SizedProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor,
                 size: Tensor, compensate: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-        from gstrain.render.cuda import ensure_built
-
         # compensations [1, N] with `compensate`, else an empty placeholder
-        radii, means2d, depths, conics, compensations = ensure_built().project_fwd(
+        radii, means2d, depths, conics, compensations = extensions.raster().project_fwd(
             means, quats, scales, viewmat, K, size, EPS2D, NEAR_PLANE, FAR_PLANE, compensate
         )
         ctx.save_for_backward(means, quats, scales, viewmat, K, size, radii, conics, compensations)
@@ -39,15 +39,13 @@ class _SizedProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _v_radii: Tensor, v_means2d: Tensor, v_depths: Tensor | None, v_conics: Tensor,
                  v_compensations: Tensor | None) -> tuple[Tensor | None, ...]:  # fmt: skip
-        from gstrain.render.cuda import ensure_built
-
         means, quats, scales, viewmat, K, size, radii, conics, compensations = ctx.saved_tensors
         v_depths = None if v_depths is None else v_depths.contiguous()
         if not ctx.compensate or v_compensations is None:
             compensations, v_compensations = None, None
         else:
             v_compensations = v_compensations.contiguous()
-        v_means, v_quats, v_scales = ensure_built().project_bwd(
+        v_means, v_quats, v_scales = extensions.raster().project_bwd(
             means, quats, scales, viewmat, K, size, EPS2D, radii, conics, v_means2d.contiguous(), v_depths,
             v_conics.contiguous(), compensations, v_compensations,
         )  # fmt: skip

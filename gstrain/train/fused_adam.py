@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from gstrain.train.step_ops import ensure_built
+from gstrain import extensions
 
 _UNSUPPORTED_OPTIONS = (("weight_decay", 0), ("amsgrad", False), ("maximize", False))
 
@@ -53,7 +53,7 @@ class FusedAdam:
     """Steps a dict of single-tensor torch Adam optimizers together (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.ext = ensure_built()
+        self.ext = extensions.step_ops()
 
     def step(self, optimizers: dict[str, torch.optim.Optimizer], visible: Tensor | None = None,
              scalars: Tensor | None = None, skip: Tensor | None = None) -> None:  # fmt: skip

@@ -10,42 +10,29 @@ lambda (1 - SSIM), from the same two kernels (the L1 sum rides along in the forw
 sums, its sign in the backward), which saves the dozen small launches and autograd nodes of the
 conv loss: host time, on a GPU that waits for the host.
 
-The extension (gstrain_ssim) is compiled on first use. Only `img` gets a gradient; `gt` is
-treated as a constant.
+The extension (gstrain_ssim, gstrain.extensions.ssim) is compiled on first use. Only `img` gets a
+gradient; `gt` is treated as a constant. training_loss_for picks, per trainer, this loss or
+losses.photometric_loss.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from gstrain.cuda_build import load_extension
+from gstrain import extensions
 from gstrain.metrics import SSIM_SIGMA, SSIM_WINDOW, ssim_conv
-from gstrain.train.losses import photometric_loss
-
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCE_PATHS = (_CSRC / "bindings.cpp", _CSRC / "fused_ssim.cu")
-_HEADER_PATHS = (_CSRC / "fused_ssim.h",)
-
-
-def ensure_built() -> ModuleType:
-    """Build (first use only) and load gstrain_ssim; UserError when this machine cannot."""
-    return load_extension(
-        "gstrain_ssim", _SOURCE_PATHS, _HEADER_PATHS,
-        what="the fused SSIM kernel", alternative="set train.fused_ssim=false",
-    )  # fmt: skip
+from gstrain.train.losses import LossFn, photometric_loss
 
 
 class _FusedSsim(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, img: Tensor, gt: Tensor) -> Tensor:
         save = bool(ctx.needs_input_grad[0])
-        value, partials = ensure_built().ssim_fwd(img, gt, save)
+        value, partials = extensions.ssim().ssim_fwd(img, gt, save)
         if save:
             ctx.save_for_backward(img, gt, partials)
         return value
@@ -54,7 +41,7 @@ class _FusedSsim(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         img, gt, partials = ctx.saved_tensors
-        return ensure_built().ssim_bwd(img, gt, partials, grad), None
+        return extensions.ssim().ssim_bwd(img, gt, partials, grad), None
 
 
 class _FusedLoss(torch.autograd.Function):
@@ -62,7 +49,7 @@ class _FusedLoss(torch.autograd.Function):
     def forward(ctx: Any, img: Tensor, gt: Tensor, ssim_lambda: float,
                 valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         save = bool(ctx.needs_input_grad[0])
-        loss, ssim_value, l1, partials = ensure_built().loss_fwd(img, gt, float(ssim_lambda), save, valid)
+        loss, ssim_value, l1, partials = extensions.ssim().loss_fwd(img, gt, float(ssim_lambda), save, valid)
         if save:
             ctx.save_for_backward(img, gt, partials)
         ctx.ssim_lambda = float(ssim_lambda)
@@ -74,7 +61,7 @@ class _FusedLoss(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor, _g_ssim: Tensor, _g_l1: Tensor) -> tuple[Tensor | None, None, None, None]:
         img, gt, partials = ctx.saved_tensors
-        return ensure_built().loss_bwd(img, gt, partials, grad, ctx.ssim_lambda, ctx.valid), None, None, None
+        return extensions.ssim().loss_bwd(img, gt, partials, grad, ctx.ssim_lambda, ctx.valid), None, None, None
 
 
 def _fusable(img: Tensor, gt: Tensor) -> bool:
@@ -122,3 +109,16 @@ def fused_ssim(img: Tensor, gt: Tensor, window: int = SSIM_WINDOW, sigma: float 
     if img.dim() == 3:  # views, no copies
         img, gt = img.unsqueeze(0), gt.unsqueeze(0)
     return _FusedSsim.apply(img.contiguous(), gt.detach().contiguous())
+
+
+def training_loss_for(device: torch.device, fused: bool) -> LossFn:
+    """The loss a trainer on `device` trains with: the fused kernels on CUDA when enabled, else
+    L1 + SSIM as PyTorch convolutions (photometric_loss).
+
+    The fused extension is built here, before any timed step, so a compile or a missing
+    toolchain shows up at start-up rather than inside the first step.
+    """
+    if fused and torch.device(device).type == "cuda":
+        extensions.ssim()
+        return fused_photometric_loss
+    return photometric_loss

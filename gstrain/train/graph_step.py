@@ -1,4 +1,4 @@
-"""train.cuda_graphs: single-view training steps replayed as one CUDA graph each.
+"""dev.cuda_graphs: single-view training steps replayed as one CUDA graph each.
 
 Why: near 3 ms a step on an H200 the step is bound by the host issuing ~60 kernels through
 Python (bench/trace_step.py), not by the GPU. A captured graph replays the whole step
@@ -20,7 +20,7 @@ What a graph freezes, and how each is handled:
   before each replay (fused_adam.advance); the view's camera, image (and on the canvas its size
   and statistics row) are copied into the graph's inputs;
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
-  (log.time_every), ARC's tuning calls, masked views, the first step, and a graph key's first
+  (dev.time_every), ARC's tuning calls, masked views, the first step, and a graph key's first
   CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an eager step does,
   bench/graph_study.py). Batches (train.batch_size > 1) never use graphs.
 Exactness: a view whose pairs overflow the capacity sets the budget's sticky flag, and Adam and
@@ -71,7 +71,7 @@ def canvas_of(trainer: Any) -> tuple[int, ...] | None:
     sizes and the fused loss (the only one that takes a valid size); else None (a graph per size)."""
     shapes = {tuple(i.shape) for i in trainer.train_images}
     cfg = getattr(trainer, "cfg", None)
-    if len(shapes) < 2 or cfg is None or not cfg.train.fused_ssim:
+    if len(shapes) < 2 or cfg is None or not cfg.dev.fused_ssim:
         return None
     return (max(s[0] for s in shapes), max(s[1] for s in shapes), *next(iter(shapes))[2:])
 
@@ -398,9 +398,9 @@ class GraphSteps:
 
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
-    """train.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
+    """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
     single-view steps."""
     return (
-        bool(cfg.train.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
+        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
         and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
     )  # fmt: skip

@@ -1,24 +1,24 @@
-"""The training loss: (1 - lambda) L1 + lambda (1 - SSIM), and which implementation a run trains with.
+"""The training loss: (1 - lambda) L1 + lambda (1 - SSIM) in plain PyTorch, and its contract.
 
 Images are [H, W, C] (or [B, H, W, C]) float in [0, 1]. Everything stays on the images'
 device and never syncs with the host (no .item()), so it can sit inside a timed training step.
 
 SSIM here is gstrain.metrics.ssim_conv, separable Gaussian convolutions in plain PyTorch. The
 fused CUDA loss (fused_ssim.py) has the same contract; each StepRunner picks its own with
-training_loss_for (no global switch).
+fused_ssim.training_loss_for (no global switch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from gstrain.metrics import SSIM_SIGMA, SSIM_WINDOW, ssim_conv
 
 # (img, gt, window, sigma) -> scalar mean SSIM; the same contract as ssim_conv.
 SsimImpl = Callable[[Tensor, Tensor, int, float], Tensor]
+
 
 def l1_loss(img: Tensor, gt: Tensor) -> Tensor:
     return (img - gt).abs().mean()
@@ -36,18 +36,3 @@ def photometric_loss(
     s = ssim_fn(img, gt, SSIM_WINDOW, SSIM_SIGMA)
     loss = (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s)
     return loss, {"l1": l1.detach(), "ssim": s.detach(), "loss": loss.detach()}
-
-
-def training_loss_for(device: torch.device, fused: bool) -> LossFn:
-    """The loss a trainer on `device` trains with: the fused kernels on CUDA when enabled, else
-    L1 + SSIM as PyTorch convolutions (photometric_loss).
-
-    The fused extension is built here, before any timed step, so a compile or a missing
-    toolchain shows up at start-up rather than inside the first step.
-    """
-    if fused and torch.device(device).type == "cuda":
-        from gstrain.train.fused_ssim import ensure_built, fused_photometric_loss
-
-        ensure_built()
-        return fused_photometric_loss
-    return photometric_loss

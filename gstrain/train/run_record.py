@@ -48,9 +48,9 @@ class RunRecord:
     rebalanced_at: list[int] = field(default_factory=list)  # steps a sharded run partitioned again at
     # tile-intersection pairs summed over the rendered training views (our CUDA render reports them)
     pairs_before: int = 0
-    pairs_after: int = 0  # after render.ellipse_cull (equal to pairs_before without it)
+    pairs_after: int = 0  # after dev.ellipse_cull (equal to pairs_before without it)
     pairs_views: int = 0
-    graphs: dict[str, int] | None = None  # train.cuda_graphs: captures, graph steps, redos, capacity
+    graphs: dict[str, int] | None = None  # dev.cuda_graphs: captures, graph steps, redos, capacity
 
     def add_pairs(self, pairs: tuple[int, int, int] | None) -> None:
         if pairs is not None:

@@ -4,11 +4,11 @@ Shared by the trainer and `gstrain profile`, so the profile times exactly the st
 runs, with the same speed switches:
   render.backend       our CUDA rasterizer, or gsplat's (the reference on the CPU)
   render.atomic_mode   our rasterizer's backward reduction (arc)
-  train.fused_ssim     the fused SSIM kernel instead of PyTorch convolutions
-  optim.fused_adam     one launch of our multi-tensor Adam instead of six torch Adam steps
+  dev.fused_ssim       the fused SSIM kernel instead of PyTorch convolutions
+  dev.fused_adam       one launch of our multi-tensor Adam instead of six torch Adam steps
   optim.sparse_adam    only the Gaussians drawn this step are updated
-  strategy.fast_stats  DefaultStrategy's statistics without its three host syncs a step
-Nothing here reads a value back from the GPU. train.cuda_graphs (graph_step.py) captures this
+  dev.fast_stats       DefaultStrategy's statistics without its three host syncs a step
+Nothing here reads a value back from the GPU. dev.cuda_graphs (graph_step.py) captures this
 same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
 """
 
@@ -23,7 +23,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
-from gstrain.train.losses import training_loss_for
+from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategies.base import Strategy
 from gstrain.train.timing import PhaseTimer
@@ -35,7 +35,7 @@ class StepResult:
     terms: dict[str, Tensor]  # detached loss terms
     image: Tensor  # the render [H, W, 3], detached
     changed: bool  # densification may have changed the set of Gaussians
-    # (Gaussian, tile) pairs from the intersection, after render.ellipse_cull, and views: host ints
+    # (Gaussian, tile) pairs from the intersection, after dev.ellipse_cull, and views: host ints
     # that our CUDA render reports (None on other backends)
     pairs: tuple[int, int, int] | None = None
 
@@ -83,9 +83,9 @@ class StepRunner:
         self.strategy = strategy
         self.timer = timer
         # this runner's own loss: two runners in one process may train with different ones
-        self.loss_fn = training_loss_for(device, cfg.train.fused_ssim)
+        self.loss_fn = training_loss_for(device, cfg.dev.fused_ssim)
         self.fused_adam = None
-        if device.type == "cuda" and cfg.optim.fused_adam:
+        if device.type == "cuda" and cfg.dev.fused_adam:
             from gstrain.train.fused_adam import FusedAdam
 
             self.fused_adam = FusedAdam()

@@ -24,7 +24,7 @@ PHASES = ("data", "projection", "raster_fwd", "forward", "loss", "raster_bwd", "
 
 
 def timed_step(step: int, every: int) -> bool:
-    """Whether the loop times step `step` (log.time_every = every): every Nth step from N // 2 on,
+    """Whether the loop times step `step` (dev.time_every = every): every Nth step from N // 2 on,
     so the first step, which pays one-time costs (lazy set-up, kernel loading), never stands for
     the run's steps."""
     return step % every == every // 2

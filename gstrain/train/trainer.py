@@ -56,7 +56,7 @@ class Trainer:
         self.device = device
         self.log = log
         self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
-        self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad)
+        self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad, dev=cfg.dev)
         self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
         # Images live on the device as uint8 (a quarter of float32) and are converted per step.
         self.train_images = [v.image.to(device) for v in scene.train]
@@ -65,14 +65,14 @@ class Trainer:
         self.params = self._initial_params()
         self.optimizers = build_optimizers(self.params, cfg.optim, scene.extent)
         self.scheduler = build_means_scheduler(self.optimizers["means"], cfg.optim, cfg.train.steps)
-        self.strategy = build_strategy(cfg.strategy, scene.extent, device)
+        self.strategy = build_strategy(cfg.strategy, scene.extent, device, cfg.dev)
         self.strategy.check(self.params, self.optimizers)
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
         self.viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
-        # train.cuda_graphs: single-view steps replayed as CUDA graphs (None: every step eager)
+        # dev.cuda_graphs: single-view steps replayed as CUDA graphs (None: every step eager)
         self.graphs = GraphSteps(self) if graphs_possible(cfg, self.renderer, self.runner, device) else None
         self.record = RunRecord()  # what this process reports in train_summary.json
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
@@ -263,7 +263,7 @@ class Trainer:
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
         with _StopFlag() as stop:
             while self.step < end:
-                self.timer.enabled = timed_step(self.step, cfg.log.time_every)
+                self.timer.enabled = timed_step(self.step, cfg.dev.time_every)
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step

@@ -150,7 +150,7 @@ class ViewerPage:
         if params is None:
             raise RuntimeError("no Gaussians yet")
         if self._renderer is None:
-            self._renderer = Renderer(self.cfg.render, self.device)
+            self._renderer = Renderer(self.cfg.render, self.device, dev=self.cfg.dev)
             if self.scene is not None:
                 self._renderer.set_training_views(self.scene.train)  # render.filter_3d's sampling rates
         side = RENDER_SIDE_GPU if self.device.type == "cuda" else RENDER_SIDE_CPU

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from gstrain.config import StrategyConfig
+    from gstrain.dev_config import DevConfig
     from gstrain.train.strategies.base import Strategy
 
 __all__ = ["STRATEGY_NAMES", "build_strategy", "strategy_class"]
@@ -27,6 +28,7 @@ def strategy_class(name: str) -> type[Strategy]:
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-def build_strategy(cfg: StrategyConfig, scene_extent: float, device: torch.device) -> Strategy:
-    """The strategy `cfg.name` names, with its initial state."""
-    return strategy_class(cfg.name)(cfg, scene_extent, device)
+def build_strategy(cfg: StrategyConfig, scene_extent: float, device: torch.device,
+                   dev: DevConfig | None = None) -> Strategy:  # fmt: skip
+    """The strategy `cfg.name` names, with its initial state; `dev`: the config's dev section."""
+    return strategy_class(cfg.name)(cfg, scene_extent, device, dev)

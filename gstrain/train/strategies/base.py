@@ -13,16 +13,20 @@ from typing import Any
 import torch
 
 from gstrain.config import StrategyConfig
+from gstrain.dev_config import DevConfig
 
 Params = torch.nn.ParameterDict
 Optimizers = dict[str, torch.optim.Optimizer]
 
 
 class Strategy:
-    """Base class: holds the config and the state dict; subclasses fill in the steps."""
+    """Base class: holds the config and the state dict; subclasses fill in the steps. `dev`: the
+    config's dev section, for the speed switches a strategy has (None: their defaults)."""
 
-    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device,
+                 dev: DevConfig | None = None) -> None:  # fmt: skip
         self.cfg = cfg
+        self.dev = dev if dev is not None else DevConfig()
         self.scene_extent = scene_extent
         self.device = device
         self.state: dict[str, Any] = {}
@@ -45,7 +49,7 @@ class Strategy:
 
     def graph_safe_at(self, step: int) -> bool:
         """True when a CUDA graph captured at another graph-safe step can stand for this step's
-        strategy calls (train.cuda_graphs); a strategy that does not say so always runs eagerly."""
+        strategy calls (dev.cuda_graphs); a strategy that does not say so always runs eagerly."""
         return False
 
     def graph_key(self, step: int) -> tuple:

@@ -12,6 +12,7 @@ from gsplat.strategy import DefaultStrategy as GsplatDefaultStrategy
 from gsplat.strategy.ops import reset_opa
 
 from gstrain.config import StrategyConfig
+from gstrain.dev_config import DevConfig
 from gstrain.train.strategies.base import GsplatStrategy, Optimizers, Params
 
 
@@ -74,15 +75,16 @@ class FastStatsStrategy(GsplatDefaultStrategy):
         radii = info["radii"].reshape(cams, n, 2)
         grads = grads.reshape(cams, n, 2)
         if grads.is_cuda:
-            from gstrain.train.step_ops import ensure_built
+            from gstrain import extensions
 
             size = info.get("valid_size")  # a render on a canvas: the view's size is on the device
             if size is not None:
                 scale_x = scale_y = 0.5 * cams
             for c in range(cams):
-                ensure_built().grad2d_stats(grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(),
-                                            scale_x, scale_y, state["grad2d"], state["count"],
-                                            self.skip_flag, size)  # fmt: skip
+                extensions.step_ops().grad2d_stats(
+                    grads[c].float().contiguous(), radii[c].to(torch.int32).contiguous(), scale_x, scale_y,
+                    state["grad2d"], state["count"], self.skip_flag, size,
+                )  # fmt: skip
             return None
         visible = (radii > 0).all(dim=-1)
         scaled = grads.clone()
@@ -95,11 +97,12 @@ class FastStatsStrategy(GsplatDefaultStrategy):
 
 
 class DefaultStrategy(GsplatStrategy):
-    """gsplat's DefaultStrategy (FastStatsStrategy unless strategy.fast_stats=false) and its state."""
+    """gsplat's DefaultStrategy (FastStatsStrategy unless dev.fast_stats=false) and its state."""
 
-    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
-        super().__init__(cfg, scene_extent, device)
-        strategy_cls = FastStatsStrategy if cfg.fast_stats else GsplatDefaultStrategy
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device,
+                 dev: DevConfig | None = None) -> None:  # fmt: skip
+        super().__init__(cfg, scene_extent, device, dev)
+        strategy_cls = FastStatsStrategy if self.dev.fast_stats else GsplatDefaultStrategy
         self.gsplat = strategy_cls(
             prune_opa=cfg.prune_opa,
             grow_grad2d=cfg.grow_grad2d,

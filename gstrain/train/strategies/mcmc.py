@@ -9,6 +9,7 @@ import torch
 from gsplat.strategy import MCMCStrategy
 
 from gstrain.config import StrategyConfig
+from gstrain.dev_config import DevConfig
 from gstrain.errors import UserError
 from gstrain.train.strategies.base import GsplatStrategy, Optimizers, Params
 
@@ -17,8 +18,9 @@ SCALE_REG = 0.01
 
 
 class McmcStrategy(GsplatStrategy):
-    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device) -> None:
-        super().__init__(cfg, scene_extent, device)
+    def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device,
+                 dev: DevConfig | None = None) -> None:  # fmt: skip
+        super().__init__(cfg, scene_extent, device, dev)
         if device.type != "cuda":
             raise UserError("strategy.name=mcmc needs a CUDA GPU (gsplat's relocation kernel); use default")
         self.gsplat = MCMCStrategy(

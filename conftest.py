@@ -1,4 +1,5 @@
-"""Shared test setup: the `cuda` marker skips cleanly where no GPU is present."""
+"""Test setup shared by tests/ and bench/tests/ (here at the root, so that neither imports the
+other): the `cuda` marker skips cleanly where no GPU is present, and the scenes tests read."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 # gstrain eval fetches LPIPS weights on first use; tests never download (subprocesses inherit this)
 os.environ["GSTRAIN_OFFLINE"] = "1"
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 

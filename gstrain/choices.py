@@ -1,0 +1,30 @@
+"""Every list of allowed values a user can name, each with this one owner.
+
+The config checks its keys against these, the command line spells them out in its help, and the
+modules that act on a value import the list from here. Nothing heavy is imported, so `gstrain
+--help` and the config stay quick. (Strategy names live in gstrain/train/strategies/registry.py,
+which maps each to its class.)
+"""
+
+from __future__ import annotations
+
+# The rasterizer: our CUDA kernels, the PyTorch reference, or gsplat's own rasterize_to_pixels
+# (forward and backward: the peer we measure against). auto: cuda on a GPU, reference on the CPU.
+BACKENDS = ("auto", "reference", "cuda", "gsplat")
+# The backends that run gsplat's projection and a CUDA rasterizer (ours or gsplat's): GPU only.
+CUDA_BACKENDS = ("cuda", "gsplat")
+# How our CUDA backward reduces gradients (the only choice it has; nothing else differs).
+ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
+DEVICES = ("auto", "cpu", "cuda")
+INIT_MODES = ("sfm", "random")  # model.init: the SfM points, or random points
+MASK_MODES = ("ignore", "background")
+PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (gstrain/dist/partition.py)
+COMPRESSIONS = ("none", "fp16")  # records on the wire between ranks
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+EXPORT_FORMATS = ("ply", "splat", "ply-compressed")  # gstrain export --format
+SFM_MATCHERS = ("exhaustive", "sequential")  # gstrain sfm --matcher
+CAMERA_PATHS = ("test", "train", "orbit", "spiral")  # gstrain render --path
+RENDER_OUTPUTS = ("rgb", "depth", "alpha")  # gstrain render --what
+PROFILE_BACKENDS = ("cuda", "gsplat", "all")  # gstrain profile --backend
+

@@ -1,0 +1,58 @@
+"""gstrain's CUDA extensions, each compiled on first use (gstrain.cuda_build) and loaded once.
+
+This module owns them: their sources, and the one function per extension that builds and loads
+it. The modules that launch the kernels (render/cuda.py, render/sized_projection.py,
+render/sh_colors.py, train/fused_ssim.py, train/fused_adam.py, the densification statistics)
+import their extension from here, and this module imports none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from gstrain.cuda_build import load_extension
+
+_RENDER_CSRC = Path(__file__).resolve().parent / "render" / "csrc"
+_TRAIN_CSRC = Path(__file__).resolve().parent / "train" / "csrc"
+
+_RASTER_SOURCES = tuple(_RENDER_CSRC / f for f in (
+    "bindings.cpp", "isect_bindings.cpp", "project_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu",
+    "raster_bwd_vec.cu", "isect.cu", "project.cu", "sh_colors.cu",
+))  # fmt: skip
+_RASTER_HEADERS = tuple(_RENDER_CSRC / f for f in (
+    "raster.h", "raster_common.cuh", "raster_bwd.cuh", "isect.h", "isect_bindings.h", "project.h",
+    "project_bindings.h", "sh_colors.h", "torch_checks.h",
+))  # fmt: skip
+_SSIM_SOURCES = (_TRAIN_CSRC / "bindings.cpp", _TRAIN_CSRC / "fused_ssim.cu")
+_SSIM_HEADERS = (_TRAIN_CSRC / "fused_ssim.h",)
+_STEP_SOURCES = (_TRAIN_CSRC / "step_bindings.cpp", _TRAIN_CSRC / "step_ops.cu")
+_STEP_HEADERS = (_TRAIN_CSRC / "step_ops.h",)
+
+
+def raster() -> ModuleType:
+    """gstrain_raster: the rasterizer forward and backward, the tile intersection, the sized
+    projection and the fused SH colours. UserError (one line) when this machine cannot build it."""
+    return load_extension("gstrain_raster", _RASTER_SOURCES, _RASTER_HEADERS)
+
+
+def ssim() -> ModuleType:
+    """gstrain_ssim: the fused SSIM and L1 + SSIM loss, forward and backward."""
+    return load_extension(
+        "gstrain_ssim", _SSIM_SOURCES, _SSIM_HEADERS,
+        what="the fused SSIM kernel", alternative="set dev.fused_ssim=false",
+    )  # fmt: skip
+
+
+def step_ops() -> ModuleType:
+    """gstrain_step: the multi-tensor Adam and the densification statistics."""
+    return load_extension(
+        "gstrain_step", _STEP_SOURCES, _STEP_HEADERS,
+        what="the fused Adam / densification-statistics kernels",
+        alternative="set dev.fused_adam=false and dev.fast_stats=false",
+    )  # fmt: skip
+
+
+# name -> the function that builds (first use) and loads that extension: what `python -m bench.builds` names
+BUILDERS: dict[str, Callable[[], ModuleType]] = {"raster": raster, "ssim": ssim, "step_ops": step_ops}
