@@ -76,8 +76,8 @@ def load_state(source: Path | IO[bytes], map_location: str | torch.device = "cpu
         text = str(exc)
         if "Weights only load failed" not in text:
             raise
-        names = sorted(set(re.findall(r"GLOBAL ([\w.]+)", text))) or ["an object the weights-only reader refuses"]
+        names = sorted(set(re.findall(r"GLOBAL ([\w.]+)", text))) or ["objects beyond plain data"]
         raise UnsafeStateFile(
-            f"it holds Python objects that gstrain never saves ({', '.join(names)}); it was not opened, "
-            "since unpickling it could run code"
+            f"it asks for {', '.join(names)}, which a gstrain checkpoint never holds; not unpickled, "
+            "since that could run code"
         ) from None
