@@ -18,18 +18,12 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
-from gstrain.files import write_atomic
 from gstrain.train.shards import DamagedShard, gather_shards
 from gstrain.train.state_file import UnsafeStateFile, load_state, save_state
 
 # step_<N>.pt, or the folder step_<N>.shards of a distributed run (train/shards.py)
 _CKPT_RE = re.compile(r"^step_(\d+)\.(pt|shards)$")
 DAMAGED_SUFFIX = ".damaged"
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: a crash never leaves half a file."""
-    write_atomic(path, lambda fh: torch.save(obj, fh))
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:

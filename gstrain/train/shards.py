@@ -3,9 +3,10 @@
 A sharded checkpoint is a folder ckpt/step_<N>.shards/ with manifest.json (step, world, partition,
 rows per rank, every shard's size and sha256) and rank<r>.pt, each rank's own trainer state: its
 rows of the Gaussians, of Adam's moments and of the strategy's statistics, plus the state every
-rank shares (step, sampler, scheduler) and its own random state. The global row order is rank-major: rank 0's rows, then
-rank 1's, and so on. `gather_shards` rebuilds the single-process checkpoint of that order, so
-eval, export, render and a resume at another world size read a sharded run like any other.
+rank shares (step, sampler, scheduler) and its own random state. The global row order is
+rank-major: rank 0's rows, then rank 1's, and so on. `gather_shards` rebuilds the single-process
+checkpoint of that order, so eval, export, render and a resume at another world size read a
+sharded run like any other.
 
 Each shard also says which rank, step and world size it belongs to. A shard that is not the one
 the manifest lists (copied from another step, another rank's file, changed since) is refused by
@@ -97,9 +98,10 @@ def load_shard(folder: Path, rank: int, manifest: dict[str, Any], map_location: 
         if not (isinstance(listed, list) and len(listed) == world):
             raise DamagedShard(f"{MANIFEST} lists {len(listed) if isinstance(listed, list) else 'no'} shards, "
                                f"not {world}")  # fmt: skip
-        if file_digest(path) != {"bytes": listed[rank].get("bytes"), "sha256": listed[rank].get("sha256")}:
-            raise DamagedShard(f"{name} is not the file {MANIFEST} lists (its size or sha256 differs: "
-                               "changed since it was written, or copied from another checkpoint)")
+        entry = listed[rank] if isinstance(listed[rank], dict) else {}
+        if file_digest(path) != {"bytes": entry.get("bytes"), "sha256": entry.get("sha256")}:
+            raise DamagedShard(f"{name} is not the file {MANIFEST} lists: its size or sha256 differs, so it "
+                               "was changed since it was written or copied from another checkpoint")
     return state
 
 

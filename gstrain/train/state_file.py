@@ -23,7 +23,7 @@ import torch
 
 from gstrain.files import write_atomic
 
-__all__ = ["UnsafeStateFile", "check_plain", "load_state", "save_state"]
+__all__ = ["UnsafeStateFile", "atomic_torch_save", "check_plain", "load_state", "save_state"]
 
 _LEAF_TYPES = (torch.Tensor, bool, int, float, str, bytes, type(None))
 
@@ -61,10 +61,15 @@ def check_plain(obj: Any, where: str = "state") -> None:
                     "only tensors, numbers, strings, lists and dicts")  # fmt: skip
 
 
-def save_state(obj: dict[str, Any], path: Path) -> None:
-    """Check that `obj` is plain data, then write it atomically (files.write_atomic)."""
-    check_plain(obj)
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: a crash never leaves half a file."""
     write_atomic(path, lambda fh: torch.save(obj, fh))
+
+
+def save_state(obj: dict[str, Any], path: Path) -> None:
+    """Check that `obj` is plain data, then write it atomically."""
+    check_plain(obj)
+    atomic_torch_save(obj, path)
 
 
 def load_state(source: Path | IO[bytes], map_location: str | torch.device = "cpu") -> Any:
