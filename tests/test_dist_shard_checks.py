@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gstrain.dist.local import run_local
+from gstrain.errors import UserError
 from gstrain.train.checkpoint import find_checkpoint
 from tests.cli_util import assert_one_error, assert_user_error, call_cli, run_cli
 
@@ -142,3 +144,26 @@ def test_two_rank_resume_of_a_mixed_folder_stops_every_rank_with_one_line(run, d
     assert "collective" not in proc.stderr.lower() and "another rank died" not in proc.stderr
     assert {p.name: p.read_bytes() for p in _shards(run, 8).iterdir()} == before
     assert not _shards(run, 12).exists()
+
+
+def _save_fails_on_rank_one(rank: int, world: int, run: str) -> str:
+    import gstrain.dist.checkpoint as sharded_checkpoint
+
+    if rank == 1:  # its disk is full: write_atomic turns the OSError into one line (a UserError)
+        def full(obj, path):
+            raise UserError(f"no space left on device while writing {path}")
+
+        sharded_checkpoint.save_state = full
+    state = {"step": 3, "params": {"means": torch.zeros(2, 3)}}
+    try:
+        sharded_checkpoint.save_sharded(Path(run), 3, state, rank, world, [2, 2], "locality")
+    except UserError as exc:
+        return str(exc)
+    return "published"
+
+
+def test_a_rank_that_cannot_write_its_shard_stops_every_rank_with_its_reason(tmp_path):
+    said = run_local(_save_fails_on_rank_one, 2, str(tmp_path), timeout=20)
+    assert said[1].startswith(f"could not write a sharded checkpoint under {tmp_path / 'ckpt'}: no space left")
+    assert "another rank failed to write its shard: no space left on device" in said[0]
+    assert not (tmp_path / "ckpt" / "step_3.shards").exists()
