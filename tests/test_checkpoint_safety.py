@@ -126,3 +126,17 @@ def test_unsafe_file_names_what_it_asked_for(tmp_path):
     with pytest.raises(UnsafeStateFile, match=r"asks for io\.open, which"):
         load_state(path)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_numpy_one_names_of_the_array_reconstructor_are_read_too(tmp_path):
+    """numpy 1.x pickled its arrays as numpy.core.multiarray._reconstruct (numpy 2: numpy._core)."""
+    import io
+
+    np.random.seed(1)
+    legacy = np.random.get_state()
+    buf = io.BytesIO()
+    torch.save({"step": 1, "params": {}, "rng": {"numpy": legacy}}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue()
+    assert data.count(b"numpy._core.multiarray\n") == 1  # pickle's GLOBAL opcode: module and name on lines
+    (tmp_path / "old.pt").write_bytes(data.replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n"))
+    assert np.array_equal(load_state(tmp_path / "old.pt")["rng"]["numpy"][1], legacy[1])

@@ -25,7 +25,7 @@ from gstrain.files import write_atomic
 
 __all__ = ["UnsafeStateFile", "atomic_torch_save", "check_plain", "load_state", "save_state"]
 
-_LEAF_TYPES = (torch.Tensor, bool, int, float, str, bytes, type(None))
+_LEAF_TYPES = (torch.Tensor, bool, int, float, str, type(None))
 
 # numpy's array reconstructor (under its numpy 2 name, and the one numpy 1.x pickled), and the
 # dtype of the random state's key: what the older checkpoints' one array needs, nothing more
