@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from gstrain.config import Config
 from gstrain.data.scene import Scene
-from gstrain.dist.checkpoint import save_sharded
+from gstrain.dist.checkpoint import load_own_shard, save_sharded
 from gstrain.dist.exchange import CommCounter
 from gstrain.dist.launch import collective_errors
 from gstrain.dist.migrate import move_rows, owners_of, plan_order
@@ -43,7 +43,7 @@ from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, t
 from gstrain.train.masking import masked_loss
 from gstrain.train.optim import current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
-from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows, shard_file
+from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows
 from gstrain.train.timing import timed_step
 from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
 
@@ -193,10 +193,7 @@ class DistTrainer(Trainer):
         path = Path(state.get(SOURCE_KEY, ""))
         if SOURCE_KEY in state and int(read_manifest(path)["world"]) == self.world:
             # same world size: each rank takes its own shard back (a bit-identical continuation)
-            try:
-                state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
-            except Exception as exc:  # noqa: BLE001 - any unreadable shard: one line, not a traceback
-                raise UserError(f"cannot read {shard_file(path, self.rank)}: {exc}") from None
+            state = load_own_shard(path, self.rank)
             self.load_state_dict(state)
             self.view_counts = state["view_counts"]
             return True
@@ -208,7 +205,7 @@ class DistTrainer(Trainer):
         rows: list[Any] = [None] * self.world
         dist.all_gather_object(rows, len(self.params["means"]))
         return save_sharded(self.run_dir, self.step, self.state_dict(), self.rank, self.world, rows,
-                            self.cfg.dist.partition, self.device, keep=self.cfg.log.keep_ckpts)  # fmt: skip
+                            self.cfg.dist.partition, keep=self.cfg.log.keep_ckpts)  # fmt: skip
 
     @contextmanager
     def _whole_model(self):
