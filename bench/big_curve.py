@@ -293,6 +293,7 @@ def plot_curve(records: list[dict[str, Any]], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker below
 
     fig, (ax_ms, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -314,6 +315,8 @@ def plot_curve(records: list[dict[str, Any]], path: Path) -> Path:
             ax_mem.scatter([r["n"] / 1e6 for r in oom], [r.get("peak_gib") or 0 for r in oom], marker="x", color="red")
     for ax, ylabel in ((ax_ms, "ms per step"), (ax_mem, "peak GiB (allocator)")):
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("Gaussians (millions)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
