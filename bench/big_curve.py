@@ -155,6 +155,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             trainer.fit()
         except _Measured:
             pass
+        finally:
+            if trainer.writer is not None:  # its event files live in run_dir, which goes next
+                trainer.writer.close()
         if len(marks) < 2:
             raise RuntimeError(f"the fit ended before step {warmup + steps}")
         view = scene.train[0]

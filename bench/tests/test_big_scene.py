@@ -178,3 +178,24 @@ def test_plot_draws_a_png(tmp_path):
                 "height": 1080} for p in ("gstrain", "baseline") for n in (1e6, 2e6, 4e6)]  # fmt: skip
     path = big_curve.plot_curve(records, tmp_path / "curve.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.cuda
+def test_cuda_scene_matches_the_reference_and_the_cap_ends_in_oom(tmp_path):
+    """On a GPU: the CUDA backend's views equal the reference renderer's up to JPEG and float noise,
+    a capped point trains under its cap, and a cap too small for the model is an OOM record."""
+    small = dict(views=4, width=96, height=64, n=20_000, points=300, log=lambda _msg: None)
+    big_scene.write_scene(tmp_path / "gpu", device="cuda", **small)
+    big_scene.write_scene(tmp_path / "cpu", device="cpu", **small)
+    for i in range(4):
+        a, b = (np.asarray(Image.open(tmp_path / d / "images" / f"{i:05d}.jpg"), dtype=np.float64)
+                for d in ("gpu", "cpu"))
+        assert np.abs(a - b).mean() < 2.0, i
+
+    base = {"scene": str(tmp_path / "gpu"), "pipeline": "gstrain", "factor": 1, "init": "model", "warmup": 3,
+            "steps": 3, "extra": "", "probe": False, "device": "cuda",
+            "sets": big_curve.pipeline_sets(big_curve.PIPELINES["gstrain"], "cuda")}  # fmt: skip
+    ok = big_curve.run_point({**base, "n": 20_000, "cap_gib": 4.0})
+    assert ok["status"] == "ok" and ok["peak_gib"] <= 4.0 and ok["num_gaussians"] == 20_000, ok
+    oom = big_curve.run_point({**base, "n": 5_000_000, "cap_gib": 0.25})
+    assert oom["status"] == "oom", oom
