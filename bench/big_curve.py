@@ -15,7 +15,8 @@ so that N stays as asked; it times --steps steps after --warmup (the device sync
 ends; the loop stops there, without the end-of-run checkpoint, export and evaluation). A record:
 ms_per_step, peak_gib (the allocator's peak over the whole child, set-up included; on the CPU
 the process's peak resident set), setup_gib (allocated once the trainer is built: model and
-images), images_per_s (the scene's load: decode and resize, the data path as it is today), and
+images), images_per_s (the scene's images decoded and resized at start-up: gstrain's data path as
+it is today; decode_s, and load_s for the whole load with the SfM points), and
 status ok | oom | error. --cap-gib C caps the allocator at C GiB
 (torch.cuda.set_per_process_memory_fraction): a 24 GB card on the H200. Records go to
 DIR/curve.jsonl as they come (a later call skips points already there) and DIR/curve.csv;
@@ -45,7 +46,8 @@ from bench.bench_train import PIPELINES
 CURVE_FILE, CSV_FILE, LARGEST_FILE, PLOT_FILE = "curve.jsonl", "curve.csv", "largest.json", "curve.png"
 INITS = ("model", "sfm")
 FIELDS = ("pipeline", "factor", "n", "cap_gib", "init", "warmup", "steps", "extra", "probe", "status", "ms_per_step",
-          "peak_gib", "setup_gib", "images_per_s", "load_s", "views", "width", "height", "num_gaussians",
+          "peak_gib", "setup_gib", "images_per_s", "decode_s", "load_s",
+          "views", "width", "height", "num_gaussians",
           "device", "error")  # fmt: skip
 # every point: all views train (no test renders), no checkpoints or exports, no densification
 FIXED_SETS = ("data.test_every=0", "log.ckpt_every=0", "log.eval_steps=[]", "log.save_steps=[]",
@@ -94,6 +96,14 @@ def _peak_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def decode_seconds(said: list[tuple[float, str]]) -> float | None:
+    """Seconds from load_scene's "loading N images" line to its "loaded N images" line: the images'
+    decode and resize alone, without reading the model's points (a few seconds for a million)."""
+    start = next((t for t, msg in said if msg.startswith("loading ")), None)
+    end = next((t for t, msg in said if msg.startswith("loaded ")), None)
+    return end - start if start is not None and end is not None else None
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one point as the module docstring says; the record's measured fields."""
     from bench.big_scene import SCENE_FILE
@@ -117,8 +127,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gib"] * 2**30 / total), device)
     apply_threads(cfg.train.threads, device)
     t0 = time.perf_counter()
-    scene = load_scene(scene_dir, factor=cfg.data.factor, test_every=0)
+    said: list[tuple[float, str]] = []  # load_scene's lines with their times: the decode is between two
+    scene = load_scene(scene_dir, factor=cfg.data.factor, test_every=0,
+                       log=lambda msg: said.append((time.perf_counter(), msg)))  # fmt: skip
     load_s = time.perf_counter() - t0
+    decode_s = decode_seconds(said)
     model = city_gaussians(n, made["seed"], made["blocks"], sh_degree=cfg.model.sh_degree)
     if spec["init"] == "sfm":  # gstrain's own initialisation from N surface points (kNN sizes, opacity 0.1)
         rgb = (model["sh0"][:, 0] * SH_C0 + 0.5).clamp(0, 1)
@@ -164,7 +177,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         return {
             "ms_per_step": round((marks[f"t{warmup + steps}"] - marks[f"t{warmup}"]) * 1e3 / steps, 3),
             "peak_gib": round(_peak_gib(device), 3), "setup_gib": None if setup_gib is None else round(setup_gib, 3),
-            "images_per_s": round(len(scene.train) / max(load_s, 1e-9), 1), "load_s": round(load_s, 2),
+            "images_per_s": round(len(scene.train) / max(decode_s or load_s, 1e-9), 1),
+            "load_s": round(load_s, 2), "decode_s": None if decode_s is None else round(decode_s, 2),
             "views": len(scene.train), "width": view.width, "height": view.height,
             "num_gaussians": len(trainer.params["means"]), "device": str(device),
         }  # fmt: skip

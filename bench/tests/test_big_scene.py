@@ -124,6 +124,7 @@ def test_curve_records_skips_done_points_and_finds_oom(tiny_scene, tmp_path, mon
                                                           ("gstrain", 700), ("baseline", 700)]  # fmt: skip
     for r in records:
         assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["peak_gib"] > 0 and r["images_per_s"] > 0
+        assert 0 <= r["decode_s"] <= r["load_s"]  # the decode alone, found from load_scene's own lines
         # the model had N Gaussians, not the scene's 500 SfM points; every view trained at 96x64
         assert (r["num_gaussians"], r["views"], r["width"], r["height"]) == (r["n"], 12, 96, 64)
     rows = (out / "curve.csv").read_text().splitlines()
