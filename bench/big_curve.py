@@ -366,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cap-gib", type=float, default=None, help="cap the allocator at this many GiB")
     ap.add_argument("--largest", default=None, metavar="LO:HI", help="bisect the largest N that trains in [LO, HI]")
     ap.add_argument("--tolerance", type=float, default=0.1, help="bisection stops at HI/LO <= 1 + this")
-    ap.add_argument("--probe-warmup", type=int, default=20)
+    # 100: a probe passes step 98, the first eager timed step (log.time_every 197), which allocates
+    # beside the CUDA graphs' pools: a probe that ended before it would miss that part of the peak
+    ap.add_argument("--probe-warmup", type=int, default=100)
     ap.add_argument("--probe-steps", type=int, default=10)
     ap.add_argument("--init", default="model", choices=INITS)
     ap.add_argument("--extra", default="", help="more fit flags for every point (--set k=v ...)")
