@@ -278,45 +278,6 @@ class Trainer(RunReporting):
         """Training view `idx` as a step reads it (the target as floats in 0..1)."""
         return self.ctx.views.step_view(idx)
 
-    def _evaluate(self, step: int, bar: Any = None) -> dict[str, float] | None:
-        """Test PSNR / SSIM of the whole model on the lead rank (None elsewhere, or no test views),
-        into the record; in the loop (`bar`) also TensorBoard and a line."""
-        self._evaluated_at = step
-        with self._whole_model() as lead:
-            metrics = self.evaluate_test() if lead else None
-            if metrics is None:
-                return None
-            self.record.test_history.append({"step": step, **metrics})
-            if bar is None:
-                self.log(f"gstrain: initial test PSNR {metrics['psnr']:.2f} dB over {len(self.scene.test)} views")
-            else:
-                self._log_test(step, metrics)
-                bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
-        return metrics
-
-    def watch(self, viewer: Any, refresh_every: int) -> None:
-        """fit --viewer: `viewer` (the lead rank's; None on the others) sees the model every step
-        on one process; with several ranks every rank gathers the whole model for it every
-        `refresh_every` steps (a collective, so every rank is told)."""
-        self.viewer = viewer
-        self.watch_every = refresh_every if self.world > 1 else 0
-
-    def _show(self, step: int, loss: torch.Tensor, train_psnr: Any, signals: Any, watching: bool) -> None:
-        if self.world == 1:
-            if self.viewer is not None:
-                self.viewer.on_step(step, self.params, loss, train_psnr)
-                self.viewer.wait_if_paused(lambda: signals.requested)
-            return
-        if watching:  # rank 0's loss is its share of the batch: the page shows the PSNR of its view
-            with self._whole_model() as lead:
-                if lead and self.viewer is not None:
-                    self.viewer.on_step(step, self.params, None, train_psnr)
-
-    def _export(self) -> None:
-        with self._whole_model() as lead:
-            if lead:
-                self.export_ply()
-
     # ----------------------------------------------------------------- the loop
     def fit(self, resume: bool = False, state: dict[str, Any] | None = None) -> FitResult:
         """Train to the end (or train.stop_at); `state` (or, with `resume`, the newest checkpoint)
