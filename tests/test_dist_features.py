@@ -81,3 +81,37 @@ def test_one_rank_runs_the_plain_engine_with_absgrad_and_a_sharded_checkpoint(de
     assert manifest["world"] == 1 and manifest["step"] == 12  # the distributed trainer's save
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["steps"] == 12 and not summary["backend"].startswith("sharded/"), summary  # the plain engine
+
+
+class _PausedFor:
+    """A live viewer stand-in whose page stays paused for `polls` quarter-second polls."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def still_paused(self, should_stop) -> bool:
+        time.sleep(0.05)
+        self.polls -= 1
+        return self.polls >= 0
+
+
+def _hold(rank: int, world: int, polls: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from gstrain.dist.trainer import hold_while_paused
+
+    dist.barrier()  # both ranks past their imports: the clocks start together
+    t0 = time.monotonic()
+    hold_while_paused(_PausedFor(polls) if rank == 0 else None, torch.device("cpu"), lambda: False)
+    return time.monotonic() - t0
+
+
+def test_a_paused_page_holds_every_rank_until_it_resumes():
+    """Rank 0's pause (6 polls of 0.05 s here) holds rank 1 as well; a page not paused holds nobody."""
+    from gstrain.dist.local import run_local
+
+    held = run_local(_hold, 2, 6, timeout=60)
+    assert all(h >= 6 * 0.05 for h in held), held
+    free = run_local(_hold, 2, 0, timeout=60)
+    assert all(h < 6 * 0.05 for h in free), free

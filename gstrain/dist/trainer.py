@@ -53,6 +53,16 @@ def _check_sharded(cfg: Config) -> None:
                         "gradients but not their absolute values; train it on one process or with --nproc-per-node=1")
 
 
+def hold_while_paused(viewer: Any, device: torch.device, should_stop: Any) -> None:
+    """fit --viewer with several ranks: while rank 0's page is paused (`viewer`, None on the
+    other ranks) every rank waits. Rank 0 polls its pause a quarter second at a time and
+    broadcasts it, so no rank waits in one collective for long (dist.timeout_s)."""
+    flag = torch.ones(1, device=device)
+    while bool(flag):
+        flag.fill_(float(viewer is not None and viewer.still_paused(should_stop)))
+        dist.broadcast(flag, 0)
+
+
 class DistTrainer(Trainer):
     """Trainer on one rank of an initialised process group (torchrun or dist.local.run_local):
     the loop is Trainer.fit's; this class brings the sharded engine's set-up (ShardInfo), the
@@ -266,6 +276,9 @@ class DistTrainer(Trainer):
             self.log(f"gstrain: step {step}: the busiest rank sent {ratio:.2f}x the mean records; partitioning again")
             self.repartition()
             self.record.rebalanced_at.append(step)
+
+    def _hold_while_paused(self, should_stop: Any) -> None:
+        hold_while_paused(self.viewer if self.lead else None, self.device, should_stop)
 
     def backend_label(self) -> str:
         return f"sharded/{self.renderer.backend}" if self.world > 1 else self.renderer.backend

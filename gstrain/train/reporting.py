@@ -87,6 +87,10 @@ class RunReporting:
             with self._whole_model() as lead:
                 if lead and self.viewer is not None:
                     self.viewer.on_step(step, self.params, None, train_psnr)
+            self._hold_while_paused(lambda: signals.requested)
+
+    def _hold_while_paused(self, should_stop: Any) -> None:
+        """Several ranks: all wait while the lead rank's page is paused (the distributed trainer's)."""
 
     def _export(self) -> None:
         with self._whole_model() as lead:
