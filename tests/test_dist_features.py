@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside python")
@@ -60,15 +61,31 @@ def test_viewer_under_two_ranks_serves_the_page_on_rank_zero_and_training_ends(d
     assert (tmp_path / "run" / "ckpt" / "step_150.shards" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize(("setting", "missing"), [("strategy.name=mcmc", "per-owner relocation and sampling"),
-                                                  ("strategy.absgrad=true", "absolute values")])
-def test_what_the_sharded_step_lacks_is_one_line(demo_scene, tmp_path, setting, missing):
-    proc = _torchrun(demo_scene, tmp_path / "run", 2, "--set", setting)
+def test_absgrad_with_several_ranks_is_one_line_naming_what_is_missing(demo_scene, tmp_path):
+    proc = _torchrun(demo_scene, tmp_path / "run", 2, "--set", "strategy.absgrad=true")
     _out, err = proc.communicate(timeout=240)
     assert proc.returncode != 0
     lines = [x for x in err.splitlines() if x.startswith("gstrain: error:")]
-    assert lines and "with several ranks" in lines[0] and missing in lines[0], err[-2000:]
+    assert lines and "with several ranks" in lines[0] and "absolute values" in lines[0], err[-2000:]
     assert "/gstrain/" not in err  # no traceback through gstrain (torchrun prints its own for a failed worker)
+
+
+def test_mcmc_under_two_ranks_relocates_and_samples_per_owner(demo_scene, tmp_path):
+    """Each owner grows its shard up to half of cap_max (300 + 5% per refinement, 3 refinements)."""
+    run = tmp_path / "run"
+    proc = _torchrun(demo_scene, run, 2, "--set", "strategy.name=mcmc", "--set", "strategy.cap_max=330",
+                     "--set", "strategy.refine_start=2", "--set", "strategy.refine_every=4",
+                     "--set", "strategy.refine_stop=15", steps=16)  # fmt: skip
+    _out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["steps"] == 16 and summary["backend"].startswith("sharded/")
+    from gstrain.train.shards import gather_shards
+
+    state = gather_shards(run / "ckpt" / "step_16.shards")
+    count = len(state["params"]["means"])
+    assert 300 < count <= 330, count  # sampled past the initial 300, each owner within 165
+    assert bool(torch.isfinite(state["params"]["means"]).all())
 
 
 def test_one_rank_runs_the_plain_engine_with_absgrad_and_a_sharded_checkpoint(demo_scene, tmp_path):

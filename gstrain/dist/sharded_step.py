@@ -62,6 +62,9 @@ class ShardedEngine:
                     t = t.detach() / b if b > 1 else t.detach()
                     terms[k] = terms[k] + t if k in terms else t
         loss = out.zero_term if loss is None else loss
+        reg = ctx.strategy.loss_term(ctx.params)  # on this rank's own Gaussians (MCMC's regularisers)
+        if reg is not None:
+            loss = loss + reg
         changed = runner.finish(ctx.params, ctx.optimizers, step, loss, lambda: out.owner_info, ctx.scheduler)
         sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
         self.comm.reset()

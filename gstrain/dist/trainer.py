@@ -44,10 +44,6 @@ __all__ = ["DistTrainer"]
 
 def _check_sharded(cfg: Config) -> None:
     """What the sharded step (several ranks) cannot do yet, as one line naming what is missing."""
-    if cfg.strategy.name != "default":
-        raise UserError(f"strategy.name={cfg.strategy.name} with several ranks: the sharded step has no per-owner "
-                        "relocation and sampling (gsplat's MCMCStrategy works on the whole model); train it on "
-                        "one process or with --nproc-per-node=1")  # fmt: skip
     if cfg.strategy.absgrad:
         raise UserError("strategy.absgrad with several ranks: the record exchange returns each owner's screen-space "
                         "gradients but not their absolute values; train it on one process or with --nproc-per-node=1")
@@ -75,6 +71,8 @@ class DistTrainer(Trainer):
         if self.world > 1:
             _check_sharded(cfg)
         super().__init__(cfg, scene, run_dir, device, log=log if self.rank == 0 else (lambda m: None))
+        if self.world > 1:
+            self.strategy.for_owners(self.world)  # densification per owner (MCMC: its share of cap_max)
         # [V, W]: how many of what training view v touches rank r owns (at the last partition);
         # each step's views go to their homes by it, balanced over the ranks (assign_homes)
         self.view_counts = torch.zeros(0, self.world, dtype=torch.int64)
