@@ -23,14 +23,15 @@ from gstrain.data.image_store import (
     DiskStore,
     HostStore,
     ResidentStore,
+    TrainImages,
     build_image_store,
     choose_images_on,
-    draw_views,
+    scene_is_lazy,
 )
 from gstrain.data.images import LazyView
-from gstrain.data.images_on import scene_is_lazy
 from gstrain.data.scene import View
 from gstrain.errors import UserError
+from gstrain.train.context import TrainViews
 from gstrain.train.run_state import ViewSampler
 
 CPU = torch.device("cpu")
@@ -67,6 +68,12 @@ class LoggedView(View):
         return 4
 
 
+def draw_views(store, sampler: ViewSampler) -> list[tuple[int, torch.Tensor]]:
+    """One step's draw as the engines make it: TrainViews.draw (which prefetches), then the image."""
+    views = TrainViews(TrainImages(store), [], [])
+    return [(idx, views.images[idx]) for idx in views.draw(sampler)]
+
+
 def _sequence(n: int, seed: int, count: int) -> list[int]:
     sampler = ViewSampler(n, seed)
     return [sampler.next() for _ in range(count)]
@@ -90,7 +97,7 @@ def test_disk_prefetch_order_is_the_samplers() -> None:
     views = [LoggedView(i, log) for i in range(n)]
     store = DiskStore(views, CPU, workers=1, depth=3)  # one worker: decodes run in submission order
     sampler = ViewSampler(n, seed)
-    got = [draw_views(store, sampler.next, sampler.peek)[0] for _ in range(steps)]
+    got = [draw_views(store, sampler)[0] for _ in range(steps)]
     store.close()
     expected = _sequence(n, seed, steps)
     assert [idx for idx, _ in got] == expected
@@ -108,7 +115,7 @@ def test_host_prefetch_starts_the_next_view() -> None:
     sampler = ViewSampler(5, seed=2)
     expected = _sequence(5, 2, 12)
     for step in range(12):
-        (idx, image), = draw_views(store, sampler.next, sampler.peek)
+        (idx, image), = draw_views(store, sampler)
         assert idx == expected[step] and torch.equal(image, views[idx].pixels)
         if step + 1 < 12 and expected[step + 1] != idx:
             assert list(store.inflight) == [expected[step + 1]]  # one step ahead, the sampler's next
@@ -123,7 +130,7 @@ def jpg_scene(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _stream(store, sampler: ViewSampler, steps: int) -> list[tuple[int, torch.Tensor]]:
-    return [draw_views(store, sampler.next, sampler.peek)[0] for _ in range(steps)]
+    return [draw_views(store, sampler)[0] for _ in range(steps)]
 
 
 @pytest.mark.parametrize("where", ["host", "disk"])
@@ -151,7 +158,7 @@ def _fake_training(store, n: int, steps: int = 50) -> torch.Tensor:
     sampler = ViewSampler(n, seed=42)
     params = torch.zeros(8, dtype=torch.float64)
     for step in range(steps):
-        (idx, image), = draw_views(store, sampler.next, sampler.peek)
+        (idx, image), = draw_views(store, sampler)
         gt = image.float() / 255.0
         grad = torch.stack([gt[..., c].mean() for c in range(3)] + [gt.std(), gt.max(), gt.min(),
                             gt[: gt.shape[0] // 2].mean(), torch.tensor(float(idx))]).double()
@@ -172,13 +179,13 @@ def test_fifty_steps_streamed_equal_resident(jpg_scene: Path) -> None:
 
 def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     decoded: list[Path] = []
-    real = images_mod.decode_file
+    real = images_mod.decode
 
-    def counting(file: Path):
+    def counting(file: Path, composite_over=None):
         decoded.append(file)
-        return real(file)
+        return real(file, composite_over)
 
-    monkeypatch.setattr(images_mod, "decode_file", counting)
+    monkeypatch.setattr(images_mod, "decode", counting)
     return decoded
 
 
@@ -191,7 +198,7 @@ def test_disk_start_up_decodes_only_what_the_first_steps_need(jpg_scene: Path, m
     assert decoded == []  # headers only
     store = DiskStore(lazy.train, CPU, workers=1, depth=2)
     sampler = ViewSampler(len(lazy.train), seed=1)
-    draw_views(store, sampler.next, sampler.peek)  # the first step
+    draw_views(store, sampler)  # the first step
     store.close()
     assert 1 <= len(decoded) <= 3  # its own image and at most two ahead, not all seven
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_image_store import LoggedView, _fake_training
+from test_image_store import LoggedView, _fake_training, draw_views
 
-from gstrain.data.image_store import DiskStore, HostStore, ResidentStore, draw_views
+from gstrain.data.image_store import DiskStore, HostStore, ResidentStore
 from gstrain.train.run_state import ViewSampler
 
 pytestmark = pytest.mark.cuda
@@ -23,7 +23,7 @@ def test_streamed_on_cuda_equal_resident(kind: type) -> None:
     sampler = ViewSampler(len(views), seed=4)
     for _ in range(3 * len(views)):
         torch.cuda._sleep(2_000_000)  # a busy step stream: the copy must still land before it is read
-        (idx, image), = draw_views(store, sampler.next, sampler.peek)
+        (idx, image), = draw_views(store, sampler)
         assert image.device.type == "cuda" and image.dtype == torch.uint8
         assert torch.equal(image.cpu(), views[idx].pixels)
     store.close()

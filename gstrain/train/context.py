@@ -40,10 +40,13 @@ class TrainViews:
         return StepView(viewmat, K, self.target(idx), self.masks[idx])
 
     def draw(self, sampler: Any, count: int = 1) -> list[int]:
-        """The next `count` view indices from the sampler; a store then starts fetching the views
-        after them, in the order the sampler will draw them (ViewSampler.peek)."""
+        """The next `count` view indices from the sampler. A store fetches their images (kept for
+        the step's reads), then starts fetching the views after them, in the order the sampler
+        will draw them (ViewSampler.peek)."""
         drawn = [sampler.next() for _ in range(count)]
         if isinstance(self.images, TrainImages):
+            for idx in drawn:  # this step's first (the store keeps them for the step's reads)
+                self.images[idx]
             self.images.prefetch(sampler.peek(self.images.lookahead))
         return drawn
 
