@@ -346,3 +346,31 @@ def test_image_shapes_of_both_kinds() -> None:
     views = [LoggedView(i, log) for i in range(3)]
     assert image_shapes(TrainImages(HostStore(views, CPU))) == [(4, 5, 3)] * 3
     assert image_shapes([torch.zeros(2, 7, 3, dtype=torch.uint8)]) == [(2, 7, 3)]
+
+
+def test_transforms_scene_lazy_and_max_side_equal_eager(tmp_path: Path) -> None:
+    """transforms.json scenes go through the same lazy path: an RGBA image composited over the
+    background, fisheye-free pinhole views, decoded later, equal the eager scene's pixels; and
+    data.max_side shrinks them with its note, as on COLMAP."""
+    import numpy as np
+    from PIL import Image
+    from transforms_util import write_blender
+
+    from gstrain.data.demo import write_demo_scene
+    from gstrain.data.inputs import load_scene as load_any
+
+    colmap = write_demo_scene(tmp_path / "colmap", n_views=8, width=40, height=40)
+    scene_dir = write_blender(colmap, tmp_path / "blender")
+    rgb = np.asarray(Image.open(scene_dir / "images" / "003.png").convert("RGB"))
+    alpha = np.tile(np.linspace(0, 255, 40).round().astype(np.uint8), (40, 1))
+    Image.fromarray(np.dstack([rgb, alpha])).save(scene_dir / "images" / "003.png")
+    eager = load_any(scene_dir, background=(1.0, 0.5, 0.0))
+    lazy = load_any(scene_dir, background=(1.0, 0.5, 0.0), lazy=True)
+    views = [*lazy.train, *lazy.test]
+    assert views and all(isinstance(v, LazyView) for v in views)
+    for a, b in zip([*eager.train, *eager.test], views, strict=True):
+        assert torch.equal(a.K, b.K) and (a.width, a.height) == (b.width, b.height)
+        assert torch.equal(a.image, b.image)
+    small = load_any(scene_dir, max_side=20, lazy=True)
+    assert {tuple(v.image.shape) for v in small.train} == {(20, 20, 3)}
+    assert len([n for n in small.notes if n.startswith("data.max_side=20: ")]) == 1
