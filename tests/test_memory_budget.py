@@ -103,3 +103,29 @@ def test_no_budget_allows_everything() -> None:
     assert gate.may_grow_to(10**12) and gate.cap_for(10**9) == 10**9 and gate.limit is None
     gate.check_start(10**9)
     assert said == []
+
+
+def test_gate_refuses_growth_the_measured_peak_has_no_room_for() -> None:
+    """On a GPU the gate also weighs the allocator's measured peak: peak + the new Gaussians'
+    bytes must stay within the counted budget (1 GiB x 0.9 here), even below the arithmetic count."""
+    said: list[str] = []
+    gate = GrowthGate(plan_budget(1, 1000, 0, 0), log=said.append)
+    usable = int(0.9 * 2**30)
+    assert gate.may_grow_to(1_000, adding=100, peak_bytes=usable - 100 * 1000)  # exactly full: fits
+    assert not gate.may_grow_to(1_000, adding=100, peak_bytes=usable - 100 * 1000 + 1)
+    assert not gate.may_grow_to(1_000, adding=100, peak_bytes=usable)
+    assert len(said) == 1 and "stops growing at 900 Gaussians (the measured peak" in said[0]
+
+
+@pytest.mark.cuda
+def test_measured_numbers_on_cuda() -> None:
+    from gstrain.config import build_config
+    from gstrain.train.memory_budget import budget_free, measured_peak
+
+    device = torch.device("cuda")
+    block = torch.empty(2**20, dtype=torch.uint8, device=device)
+    assert measured_peak(device) >= block.numel()
+    assert measured_peak(torch.device("cpu")) is None
+    cfg = build_config(overrides=[{"train": {"max_memory_gib": 0.5}}])
+    assert budget_free(cfg, device) == min(torch.cuda.mem_get_info(device)[0], 2**29)
+    assert budget_free(build_config(), device) is None and budget_free(cfg, torch.device("cpu")) is None

@@ -140,6 +140,16 @@ def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int,
                                   cfg.train.batch_size), log)
 
 
+def budget_free(cfg: Any, device: torch.device) -> int | None:
+    """What data.images_on=auto may weigh as the GPU's free memory: the free bytes, or under a
+    train.max_memory_gib budget the budget if smaller. None where auto measures it itself (no
+    budget) or there is no GPU."""
+    if device.type != "cuda" or cfg.train.max_memory_gib <= 0:
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return min(int(free), int(cfg.train.max_memory_gib * GIB))
+
+
 def measured_peak(device: torch.device) -> int | None:
     """The allocator's peak on a CUDA device (a host counter, no sync); None on the CPU."""
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None

@@ -33,7 +33,7 @@ from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_la
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.masking import prepare_mask
-from gstrain.train.memory_budget import budget_gate
+from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
@@ -91,7 +91,7 @@ class Trainer(RunReporting):
         # Images as uint8 (a quarter of float32), converted per step; where they live between
         # steps is data.images_on's (data/image_store.py): on the device, or fetched a step ahead.
         self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
-                                             per_step=cfg.train.batch_size)  # fmt: skip
+                                             per_step=cfg.train.batch_size, device_free=budget_free(cfg, device))
         if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
             scene.test = decoded(scene.test)
         store = self.image_store
