@@ -47,8 +47,14 @@ class TrainViews:
         if isinstance(self.images, TrainImages):
             for idx in drawn:  # this step's first (the store keeps them for the step's reads)
                 self.images[idx]
-            self.images.prefetch(sampler.peek(self.images.lookahead))
+        self.prefetch(sampler)
         return drawn
+
+    def prefetch(self, sampler: Any) -> None:
+        """Start fetching the views the sampler will draw next (before the first step, so that it
+        does not wait for its images either); nothing for resident images."""
+        if isinstance(self.images, TrainImages):
+            self.images.prefetch(sampler.peek(self.images.lookahead))
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each training image's (H, W, 3), without fetching any."""

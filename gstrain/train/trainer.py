@@ -304,6 +304,7 @@ class Trainer(RunReporting):
         is where it goes on from. A run with no checkpoint yet starts at step 0, seeded."""
         cfg = self.cfg
         self._begin(resume, state)
+        self.ctx.views.prefetch(self.sampler)  # data.images_on=host/disk: the first steps' images
         total = cfg.train.steps
         # train.stop_at pauses the run there (checkpoint, evaluation, PLY as at the end); the
         # learning-rate decay and the eval/save steps still follow `total`, so --resume goes on
