@@ -109,8 +109,10 @@ def run_fit(req: FitRequest, log: Log) -> int:
         f"{len(loaded.points)} SfM points, device {dev}" + (f", {threads} CPU threads" if dev.type == "cpu" else "")
     )
     from gstrain.run_dir import is_run_dir
+    from gstrain.train.memory_budget import check_budget_first
     from gstrain.train.trainer import Trainer
 
+    check_budget_first(cfg, loaded)  # train.max_memory_gib too small: said before the run folder is written
     if plan is not None:
         check_scene_fits(plan, loaded, scene)
     elif reuse:

@@ -130,3 +130,4 @@ def test_bad_budgets_are_one_line(scene_dir: Path, tmp_path: Path, value: str, n
                          "--set", "model.init=random", "--set", "model.init_points=2000",
                          "--set", f"train.max_memory_gib={value}")
     assert_one_error(code, err, needle)
+    assert not (tmp_path / "run").exists()  # said before the run folder is written

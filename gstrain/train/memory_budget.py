@@ -140,6 +140,17 @@ def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int,
                                   cfg.train.batch_size), log)
 
 
+def check_budget_first(cfg: Any, scene: Any) -> None:
+    """UserError before anything is written when train.max_memory_gib cannot hold the start even
+    with the images off the GPU: the per-step buffers, and the initial Gaussians (the SfM points,
+    or model.init_points). The trainer checks again with the images where data.images_on put them."""
+    if cfg.train.max_memory_gib <= 0:
+        return
+    gate = budget_gate(cfg, 0, [(v.height, v.width, 3) for v in scene.train], lambda _m: None)
+    random = cfg.model.init == "random" or len(scene.points) == 0
+    gate.check_start(cfg.model.init_points if random else len(scene.points))
+
+
 def budget_free(cfg: Any, device: torch.device) -> int | None:
     """What data.images_on=auto may weigh as the GPU's free memory: the free bytes, or under a
     train.max_memory_gib budget the budget if smaller. None where auto measures it itself (no
