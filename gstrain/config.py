@@ -22,6 +22,7 @@ from gstrain.choices import (
     COMPRESSIONS,
     DEVICES,
     DIST_BACKENDS,
+    IMAGES_ON,
     INIT_MODES,
     MASK_MODES,
     PARTITIONS,
@@ -40,6 +41,10 @@ class DataConfig:
     # masked pixels (masks/ or alpha): "ignore" leaves them out of loss and metrics; "background"
     # trains them to data.background (object captures) and scores all pixels against that target
     mask_mode: str = "ignore"
+    # where the training images live while training: gpu | host | disk | auto (the first that fits,
+    # said in one line); gstrain/data/image_store.py
+    images_on: str = "auto"
+    max_side: int = 0  # downscale (after factor) so the longer side is at most this many pixels; 0: no limit
 
 
 @dataclass
@@ -75,6 +80,9 @@ class TrainConfig:
     seed: int = 42
     device: str = "auto"  # auto | cpu | cuda
     stop_at: int = 0  # pause after this step (0: run to `steps`); schedules still span `steps`
+    # keep the run under this many GiB of GPU memory (0: no budget): densification stops growing at
+    # the Gaussian count that fits, MCMC's cap is lowered to it (gstrain/train/memory_budget.py)
+    max_memory_gib: float = 0.0
     threads: int = 0  # CPU threads for torch (0: auto, see gstrain/threads.py)
     # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
     # torchrun it is the GLOBAL batch: each view is rendered by its home rank
@@ -281,6 +289,7 @@ def validate(cfg: Config) -> Config:
     choice(cfg.strategy.name, STRATEGY_NAMES, "strategy.name")
     choice(cfg.model.init, INIT_MODES, "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
+    choice(cfg.data.images_on, IMAGES_ON, "data.images_on")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
     choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")
@@ -362,7 +371,7 @@ def _validate_ranges(cfg: Config) -> None:
         "log.ckpt_every": (cfg.log.ckpt_every, 0), "log.keep_ckpts": (cfg.log.keep_ckpts, 0),
         "data.test_every": (cfg.data.test_every, 0), "model.init_points": (cfg.model.init_points, 1),
         "train.threads": (cfg.train.threads, 0), "train.seed": (cfg.train.seed, 0),
-        "strategy.cap_max": (cfg.strategy.cap_max, 1),
+        "strategy.cap_max": (cfg.strategy.cap_max, 1), "data.max_side": (cfg.data.max_side, 0),
     }
     for key, (value, low) in at_least.items():
         if value < low:
@@ -371,6 +380,9 @@ def _validate_ranges(cfg: Config) -> None:
         value = getattr(cfg.optim, name)
         if not value >= 0.0 or value == float("inf"):  # also NaN
             raise UserError(f"optim.{name} must be a learning rate >= 0; got {value}")
+    if not 0.0 <= cfg.train.max_memory_gib < float("inf"):  # also NaN
+        raise UserError(f"train.max_memory_gib must be a size in GiB >= 0 (0: no budget); "
+                        f"got {cfg.train.max_memory_gib}")
     if not cfg.optim.eps > 0.0:
         raise UserError(f"optim.eps must be > 0; got {cfg.optim.eps}")
     if not 0.0 < cfg.model.init_opacity < 1.0:
@@ -406,7 +418,7 @@ def merge_config(
 
 
 # What a run is built on: changing one of these on --resume would not fit its checkpoint or its views.
-RUN_FIXED_KEYS = ("data.factor", "data.test_every", "model.sh_degree", "strategy.name")
+RUN_FIXED_KEYS = ("data.factor", "data.max_side", "data.test_every", "model.sh_degree", "strategy.name")
 
 
 def changed_fixed_keys(old: Config, new: Config) -> list[str]:

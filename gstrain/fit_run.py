@@ -31,11 +31,13 @@ class FitRequest:
 
 
 def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
+    from gstrain.data.image_store import scene_is_lazy
     from gstrain.data.inputs import load_scene
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     try:
         loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append,
-                            background=cfg.data.background)
+                            background=cfg.data.background, max_side=cfg.data.max_side,
+                            lazy=scene_is_lazy(cfg.data.images_on))
     except KeyboardInterrupt:
         log("gstrain: interrupted while loading the scene; nothing was written")
         raise
@@ -107,8 +109,10 @@ def run_fit(req: FitRequest, log: Log) -> int:
         f"{len(loaded.points)} SfM points, device {dev}" + (f", {threads} CPU threads" if dev.type == "cpu" else "")
     )
     from gstrain.run_dir import is_run_dir
+    from gstrain.train.memory_budget import check_budget_first
     from gstrain.train.trainer import Trainer
 
+    check_budget_first(cfg, loaded)  # train.max_memory_gib too small: said before the run folder is written
     if plan is not None:
         check_scene_fits(plan, loaded, scene)
     elif reuse:

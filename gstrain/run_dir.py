@@ -235,7 +235,7 @@ def open_run(
         from gstrain.data.inputs import load_scene
 
         scene = load_scene(scene_path, factor=cfg.data.factor, test_every=cfg.data.test_every,
-                           background=cfg.data.background)
+                           background=cfg.data.background, max_side=cfg.data.max_side)
     dev, rend, background = None, None, None
     params_device = "cpu"
     if renderer:

@@ -31,11 +31,15 @@ def load_scene(
     test_every: int = 8,
     log: Callable[[str], None] | None = None,
     background: Sequence[float] | None = None,
+    max_side: int = 0,
+    lazy: bool = False,
 ) -> Scene:
     """Read a COLMAP scene: posed, undistorted, downscaled views split into train/test, plus SfM points.
 
     background is not used: a COLMAP image's alpha channel is its mask (data/masks.py), not
     something to composite (the registry, data/inputs.py, passes it to every format).
+    max_side: downscale further so the longer side is at most this (0: no limit). lazy: read only
+    the images' headers; the views are LazyViews that decode when asked (an image store does).
 
     Test views: images sorted by name, index i with i % test_every == 0 (none when test_every <= 0).
     Raises UserError with one line for any problem with the input.
@@ -68,15 +72,15 @@ def load_scene(
     # pycolmap's undistortion holds the GIL; PIL decoding and resizing do not, so threads still help.
     workers = max(1, min(8, os.cpu_count() or 1))
     masks = MaskReader(root, image_dir)
-    loader = ViewLoader(factor, from_small_dir, masks)
+    loader = ViewLoader(factor, from_small_dir, masks, max_side=max_side, lazy=lazy)
     sources = [
         ViewSource(im.name, image_dir / im.name, im.camera, im.cam_from_world().matrix()) for im in images
     ]
-    say(f"loading {len(images)} images from {image_dir} (factor {factor})")
+    say(f"{'reading the headers of' if lazy else 'loading'} {len(images)} images from {image_dir} (factor {factor})")
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(loader.load, sources))
-    say(f"loaded {len(images)} images in {time.perf_counter() - start:.1f} s")
+    say(f"{'read the headers of' if lazy else 'loaded'} {len(images)} images in {time.perf_counter() - start:.1f} s")
     views = [view for view, _ in results]
 
     undistorted = Counter(model for _, model in results if model is not None)

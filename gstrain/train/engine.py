@@ -66,7 +66,7 @@ class EagerEngine:
     def step(self, step: int) -> StepResult:
         ctx = self.ctx
         with ctx.timer.phase("data"):
-            views = [ctx.views.step_view(ctx.sampler.next()) for _ in range(ctx.batch_size)]
+            views = [ctx.views.step_view(idx) for idx in ctx.views.draw(ctx.sampler, ctx.batch_size)]
         return ctx.runner.run(ctx.params, ctx.optimizers, step, views, ctx.sh_degree(step), ctx.background,
                               scheduler=ctx.scheduler)  # fmt: skip
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from gstrain.config import Config
+from gstrain.data.image_store import ResidentStore, TrainImages, build_image_store, decoded
 from gstrain.data.scene import Scene
 from gstrain.data.view_volume import view_volume_points
 from gstrain.errors import UserError
@@ -32,12 +33,13 @@ from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_la
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.masking import prepare_mask
+from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
 from gstrain.train.step import StepRunner, StepView
-from gstrain.train.strategies import build_strategy
+from gstrain.train.strategies import build_strategy, strategy_class
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer, timed_step
 
@@ -86,13 +88,26 @@ class Trainer(RunReporting):
         self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
         self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad, dev=cfg.dev)
         self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
-        # Images live on the device as uint8 (a quarter of float32) and are converted per step.
-        views = TrainViews([v.image.to(device) for v in scene.train],
-                           [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
+        # Images as uint8 (a quarter of float32), converted per step; where they live between
+        # steps is data.images_on's (data/image_store.py): on the device, or fetched a step ahead.
+        self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
+                                             per_step=cfg.train.batch_size, device_free=budget_free(cfg, device))
+        if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
+            scene.test = decoded(scene.test)
+        store = self.image_store
+        images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
+        views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
                            [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
         params = self._initial_params()
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
-        self.strategy = build_strategy(cfg.strategy, scene.extent, device, cfg.dev)
+        on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
+        self.gate = budget_gate(cfg, on_device, views.shapes(), log)  # train.max_memory_gib
+        self.gate.check_start(len(params["means"]))
+        strategy_cfg = cfg.strategy
+        if strategy_class(cfg.strategy.name).capped:  # its own cap, lowered to what fits (said once)
+            strategy_cfg = replace(cfg.strategy, cap_max=self.gate.cap_for(cfg.strategy.cap_max))
+        self.strategy = build_strategy(strategy_cfg, scene.extent, device, cfg.dev)
+        self.strategy.gate = self.gate
         self.strategy.check(params, optimizers)
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
@@ -289,6 +304,7 @@ class Trainer(RunReporting):
         is where it goes on from. A run with no checkpoint yet starts at step 0, seeded."""
         cfg = self.cfg
         self._begin(resume, state)
+        self.ctx.views.prefetch(self.sampler)  # data.images_on=host/disk: the first steps' images
         total = cfg.train.steps
         # train.stop_at pauses the run there (checkpoint, evaluation, PLY as at the end); the
         # learning-rate decay and the eval/save steps still follow `total`, so --resume goes on
@@ -364,6 +380,10 @@ class Trainer(RunReporting):
         self.record.add_pairs(self.engine.pair_totals())
         self.record.graphs = self.engine.summary()
         self.checkpoints.wait()  # the last write is part of the run's time
+        note = self.image_store.note()  # training waited on the images (data-bound), or None
+        if note:
+            self.log(f"gstrain: {note}")
+        self.image_store.close()
         seconds = time.perf_counter() - t_start
         if status == "done" and self.step < cfg.train.steps:
             status = "stopped"  # at train.stop_at, with its checkpoint: --resume goes on
