@@ -91,7 +91,7 @@ class TrainConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = "default"  # default (gsplat DefaultStrategy) | mcmc (gsplat MCMCStrategy, CUDA only)
+    name: str = "default"  # default (gsplat DefaultStrategy) | mcmc (gsplat MCMCStrategy; CPU too)
     refine_start: int = 500
     refine_stop: int = 15_000
     refine_every: int = 100
