@@ -115,7 +115,7 @@ def main() -> None:
             rng_sharded = _rng_state()
             blocks.append((seconds_plain, seconds_sharded))
         end_plain = _timed(lambda: (plain.save(wait=True), plain.export_ply()), device)
-        end_sharded = _timed(lambda: (sharded.save(), sharded._evaluate_and_export(args.steps, False, True)), device)
+        end_sharded = _timed(lambda: (sharded.save(), sharded._export()), device)
         counts = (len(plain.params["means"]), len(sharded.params["means"]))
     total_plain, total_sharded = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
     result = {

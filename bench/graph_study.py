@@ -48,7 +48,7 @@ def _timed(trainer: Trainer, steps: int) -> dict[str, float]:
 
 
 def instrument(trainer: Trainer) -> dict[str, list[float]]:
-    """Host seconds of every GraphSteps.run call by what it did (replay, capture, or an eager
+    """Host seconds of every GraphEngine.run call by what it did (replay, capture, or an eager
     step's reason), and of settle() and evaluation. Host time is the step's time while the host
     is the bottleneck; a replay's includes its wait for a free ring slot (the GPU's pace)."""
     graphs, spent = trainer.graphs, {}
@@ -167,7 +167,7 @@ def main() -> None:
     print(json.dumps({"graph_kernels_ms_per_step": round(total, 4), "top": rows}), flush=True)
     # pairs per view against the capacity every replay sorts
     before, after, views = graphs.pair_totals()
-    # groups: image sizes, or views on the canvas (graph_step.GraphSteps)
+    # groups: image sizes, or views on the canvas (graph_step.GraphEngine)
     per_group = {(f"view {g}" if isinstance(g, int) else "x".join(map(str, g[:2]))):
                  {"capacity": graphs.capacities.get(g), "most": most}
                  for g, most in graphs.group_peak.items()}  # fmt: skip

@@ -98,8 +98,6 @@ def run_fit(req: FitRequest, log: Log) -> int:
     dev = resolve_device(cfg.train.device)
     world = torchrun_world(cfg.dev.always_distributed)
     if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
-        if req.viewer:
-            raise UserError("--viewer is not available under torchrun; train on one process to watch it")
         _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
     threads = apply_threads(cfg.train.threads, dev)
     loaded = _load_scene(scene, cfg, log)
@@ -119,7 +117,11 @@ def run_fit(req: FitRequest, log: Log) -> int:
     if req.viewer:  # before the run folder is written: a busy port is bad input like any other
         from gstrain.viewer.live import LiveViewer
 
-        live = LiveViewer(cfg, loaded, log=log)
+        def serve() -> None:  # rank 0 serves the page; its error is every rank's
+            nonlocal live
+            live = LiveViewer(cfg, loaded, log=log)
+
+        on_rank_zero(serve)
     trainer = None
     try:  # from the first write on, whatever stops the run says what the folder kept
         if plan is not None:  # rank 0 writes; its error is every rank's
@@ -132,7 +134,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
             trainer = DistTrainer(cfg, loaded, run_dir, dev, log=log)
         else:
             trainer = Trainer(cfg, loaded, run_dir, dev, log=log)
-        trainer.viewer = live
+        trainer.watch(live, cfg.viewer.refresh_every if req.viewer else 0)  # rank 0 serves the page
         result = trainer.fit(resume=req.resume, state=plan.state if plan is not None else None)
     except KeyboardInterrupt:
         _finish_checkpoint(trainer)

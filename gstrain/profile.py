@@ -177,8 +177,10 @@ class WorkloadSteps:
         """One training step on the next view."""
         work, i = self.work, self.step
         viewmat, K, _, _ = work.cameras[i % len(work.cameras)]
-        result = self.runner.run(self.params, self.optimizers, i, viewmat, K, work.targets[i % len(work.targets)],
-                                 work.sh_degree, self.background)  # fmt: skip
+        from gstrain.train.step import StepView
+
+        view = StepView(viewmat, K, work.targets[i % len(work.targets)])
+        result = self.runner.run(self.params, self.optimizers, i, [view], work.sh_degree, self.background)
         self.pairs = result.pairs
         self.step += 1
 
@@ -194,7 +196,7 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
     (CUDA-graph replays where dev.cuda_graphs applies): their wall clock is `wall`, and
     `graph_share` the share that ran as graphs.
     """
-    from gstrain.profile_graphs import GraphHost
+    from gstrain.profile_graphs import ProfileSteps
 
     gc.collect()  # the previous configuration's tensors, so that its memory is not counted here
     one_step = WorkloadSteps(work, cfg)
@@ -231,7 +233,7 @@ def profile_config(work: Workload, cfg: Config, iters: int, warmup: int, window:
         for key, value in phases.items():
             samples.setdefault(key, []).append(value)
         measured += n
-    samples["wall"], share = GraphHost(one_step, one_step.cfg).windows(iters, window)
+    samples["wall"], share = ProfileSteps(one_step, one_step.cfg).windows(iters, window)
     samples["graph_share"] = [share]
     if tuner is not None:
         samples["arc_threshold"] = [float(tuner.threshold)]

@@ -96,10 +96,10 @@ def test_arc_retunes_once_the_population_moved_a_fifth():
 
 
 def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[list, object]:
-    """A CPU trainer whose GraphSteps decides as on a GPU; a graph step (capture or replay) is
+    """A CPU trainer whose graph engine decides as on a GPU; a graph step (capture or replay) is
     stood in for by the eager step, so the run trains, and is recorded as "graph"."""
     from gstrain.data.colmap import load_scene
-    from gstrain.train.graph_step import GraphSteps
+    from gstrain.train.graph_step import GraphEngine
     from gstrain.train.trainer import Trainer
 
     scene = load_scene(demo_scene)
@@ -108,7 +108,7 @@ def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[lis
         "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15, "grow_grad2d": 0.0},
     }])  # fmt: skip
     trainer = Trainer(cfg, scene, tmp_path / "run", torch.device("cpu"), log=lambda m: None)
-    graphs = GraphSteps(trainer)
+    graphs = GraphEngine(trainer.ctx)
     kinds = []
 
     def graph_step(step: int, idx: int):
@@ -159,12 +159,14 @@ def test_graph_policy_waits_capture_after_steps_per_epoch(demo_scene, tmp_path, 
     assert graphs.eager_steps == {"first": 1, "timed": 4, "strategy": 3, snc: 8}
 
 
-class _FakeTrainer:
-    """What GraphSteps.settle reads of a trainer: two Adams and a position-rate decay."""
+class _FakeContext:
+    """What the graph engine's settle reads of its StepContext: two Adams and a position-rate decay."""
 
     def __init__(self) -> None:
+        from gstrain.train.context import TrainViews
+
+        self.cfg = build_config()
         self.device = torch.device("cpu")
-        self.step = 0
         self.params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
         self.optimizers = {k: torch.optim.Adam([p], lr=0.1) for k, p in self.params.items()}
         for p in self.params.values():
@@ -174,9 +176,10 @@ class _FakeTrainer:
         self.scheduler = ExponentialDecay(self.optimizers["a"], 0.5)
         self.strategy = DefaultStrategy(StrategyConfig(), 1.0, self.device)
         self.renderer = type("R", (), {"atomic_threshold": 8, "tuner": None})()
-        self.train_images = [torch.zeros(4, 4, 3, dtype=torch.uint8)]
+        self.views = TrainViews([torch.zeros(4, 4, 3, dtype=torch.uint8)], [], [None])
+        self.watched = False
 
-    def active_sh_degree(self) -> int:
+    def sh_degree(self, step: int) -> int:
         return 0
 
     def adam_steps(self) -> list[float]:
@@ -184,46 +187,44 @@ class _FakeTrainer:
 
 
 def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
-    from gstrain.train.graph_step import GraphSteps
+    from gstrain.train.graph_step import GraphEngine
 
-    t = _FakeTrainer()
-    graphs = GraphSteps(t)
+    t = _FakeContext()
+    graphs = GraphEngine(t)
     runs = []
 
     def graph_step(step: int, idx: int):  # the host's share of a replay: counts, decay, bookkeeping
         fused_adam.advance(t.optimizers)
         t.scheduler.step()
         graphs.unsettled.append((step, idx))
-        runs.append((step, t.step))
+        runs.append(step)
 
     monkeypatch.setattr(graphs, "_graph_step", graph_step)
     for step in range(1, 9):
-        t.step = step
         graphs._graph_step(step, 0)
-    t.step = 9  # the trainer's count after step 8
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8
-    size = tuple(t.train_images[0].shape)
+    size = tuple(t.views.images[0].shape)
     graphs.capacities[size] = 1 << 16
     graphs.group_stats[size] = torch.tensor([0, 0, 3_000_000])  # the overflowed view's pairs, as the kernel keeps them
     graphs.budget.flag.fill_(5 + 1)  # step 5's tag: it overflowed, and (the flag is sticky) 6-8 were skipped
     assert graphs.settle() is None  # the fake replays return nothing
-    # 5-8 again, in order, each with the trainer's step as it was then; then the count is back
-    assert runs == [(s, s) for s in range(1, 9)] + [(s, s) for s in range(5, 9)] and t.step == 9
+    # 5-8 again, in order (each step's number passed on: what it reads, the SH degree, follows it)
+    assert runs == [*range(1, 9), *range(5, 9)]
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8  # rewound by 4, advanced by 4
     assert graphs.views == 8 and graphs.redos == 1 and graphs.redone_steps == 4 and not graphs.unsettled
     assert int(graphs.budget.flag) == 0
     assert graphs.capacities[size] >= 3_000_000 and graphs.group_peak[size] == 3_000_000
     graphs.budget.flag.zero_()
-    assert graphs.settle() is None and runs[-1] == (8, 8)  # nothing in flight: no redo
+    assert graphs.settle() is None and runs[-1] == 8 and len(runs) == 12  # nothing in flight: no redo
 
 
 def test_each_image_size_gets_a_capacity_from_its_own_views():
     """The sort covers a graph's whole pair capacity, so a size's capacity follows its own views:
     replays' per-size maxima (device statistics, read when an epoch ends) grow it, a size never
     seen starts at the largest, and a capacity never shrinks."""
-    from gstrain.train.graph_step import GraphSteps
+    from gstrain.train.graph_step import GraphEngine
 
-    graphs = GraphSteps(_FakeTrainer())
+    graphs = GraphEngine(_FakeContext())
     small, large, unseen = (700, 1200, 3), (720, 1280, 3), (710, 1250, 3)
     graphs.group_peak[small] = 200_000  # from eager steps
     graphs.group_stats[large] = torch.tensor([0, 0, 3_000_000])  # from replays, on the device
@@ -260,12 +261,12 @@ def test_views_of_several_sizes_share_a_canvas_and_graphs_by_capacity_class():
     """With views of several sizes and the fused loss, pair statistics are per view (a row each,
     picked on the device), a view's capacity is a capacity class, views of one class share one
     graph key, and an overflow grows only the overflowed view's class."""
-    from gstrain.train.graph_step import GraphSteps
+    from gstrain.train.graph_step import GraphEngine
 
-    t = _FakeTrainer()
+    t = _FakeContext()
     t.cfg = build_config(overrides=[{"dev": {"fused_ssim": True}}])
-    t.train_images = [torch.zeros(h, w, 3, dtype=torch.uint8) for h, w in ((60, 80), (64, 70), (50, 90), (60, 80))]
-    graphs = GraphSteps(t)
+    t.views.images = [torch.zeros(h, w, 3, dtype=torch.uint8) for h, w in ((60, 80), (64, 70), (50, 90), (60, 80))]
+    graphs = GraphEngine(t)
     assert graphs.canvas == (64, 90, 3)
     assert graphs.view_stats.shape == (4, 3) and graphs._group(2) == 2
     graphs.group_peak[0] = 500_000  # an eager step's count

@@ -150,11 +150,43 @@ def test_refines_at_follows_gsplat_schedule():
     assert step_at(strategy, params, optimizers, 650) is False
 
 
-def test_default_has_no_loss_term_and_mcmc_needs_cuda():
+def test_default_has_no_loss_term():
     params, _ = make_model()
     assert build_strategy(StrategyConfig(), 1.0, torch.device("cpu")).loss_term(params) is None
-    with pytest.raises(UserError, match="mcmc needs a CUDA GPU"):
-        build_strategy(StrategyConfig(name="mcmc"), 1.0, torch.device("cpu"))
+
+
+def _relocated_by_hand(o: float, s: float, n: int) -> tuple[float, float]:
+    """Eq. 9 of the 3DGS-MCMC paper written out term by term, with math.comb."""
+    new_o = 1.0 - (1.0 - o) ** (1.0 / n)
+    denom = sum(math.comb(i - 1, k) * (-1) ** k / math.sqrt(k + 1) * new_o ** (k + 1)
+                for i in range(1, n + 1) for k in range(i))  # fmt: skip
+    return new_o, o / denom * s
+
+
+def test_cpu_relocation_is_the_papers_formula():
+    from gstrain.train.strategies.mcmc_cpu import relocation
+
+    binoms = torch.tensor([[math.comb(i, k) for k in range(51)] for i in range(51)], dtype=torch.float32)
+    cases = [(0.3, 0.5, 1), (0.3, 0.5, 2), (0.9, 0.1, 3), (0.05, 2.0, 7), (0.6, 1.0, 12)]
+    o, s, n = (torch.tensor(c) for c in zip(*cases, strict=True))
+    new_o, new_s = relocation(o.float(), s.float()[:, None].repeat(1, 3), n.int(), binoms)
+    for i, (oi, si, ni) in enumerate(cases):
+        want_o, want_s = _relocated_by_hand(oi, si, ni)
+        assert abs(float(new_o[i]) - want_o) < 1e-6 and abs(float(new_s[i, 0]) - want_s) < 1e-5 * want_s, cases[i]
+    assert float(new_o[0]) == pytest.approx(0.3) and float(new_s[0, 0]) == pytest.approx(0.5)  # one copy: unchanged
+
+
+def test_mcmc_relocates_dead_gaussians_on_the_cpu():
+    cfg = StrategyConfig(name="mcmc", cap_max=N + 1000, refine_start=1, refine_every=10, refine_stop=1000)
+    strategy = build_strategy(cfg, 1.0, torch.device("cpu"))
+    params, optimizers = make_model()
+    n = len(params["means"])
+    params["opacities"].data[: n // 2] = -20.0  # dead: below gsplat's min opacity
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    assert strategy.step_post_backward(params, optimizers, 10, {}, 1e-3) is True
+    assert len(params["means"]) == int(1.05 * n)  # gsplat's growth, 5% rounded down (none at n=16)
+    assert float(torch.sigmoid(params["opacities"].detach()[: n // 2]).min()) > 0.005  # every dead one relocated
 
 
 def test_mcmc_loss_term_is_gsplats_regularisers():

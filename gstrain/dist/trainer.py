@@ -18,83 +18,66 @@ Gaussians whose owner changes (migrate.py).
 from __future__ import annotations
 
 import math
-import signal
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from gstrain.config import Config
 from gstrain.data.scene import Scene
 from gstrain.dist.checkpoint import save_sharded
-from gstrain.dist.exchange import CommCounter
 from gstrain.dist.launch import collective_errors
 from gstrain.dist.migrate import move_rows, owners_of, plan_order
 from gstrain.dist.partition import AccessProfile, LoadWindow, access_profile, assign_homes, view_owner_counts
-from gstrain.dist.sharded_render import ViewBatch, render_sharded
 from gstrain.dist.view_partition import views_plan
 from gstrain.errors import UserError
-from gstrain.metrics import psnr
-from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, to_host
-from gstrain.train.masking import masked_loss
-from gstrain.train.optim import current_lrs
-from gstrain.train.run_record import FitResult, RunRecord, write_run_record
+from gstrain.train.checkpoint import load_latest_checkpoint, to_host
+from gstrain.train.context import ShardInfo
+from gstrain.train.run_record import FitResult
 from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows, shard_file
-from gstrain.train.timing import timed_step
-from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
+from gstrain.train.trainer import Agreement, Trainer, _rng_state, _set_rng_state, seed_everything
 
 __all__ = ["DistTrainer"]
 
 
-class _Signals:
-    """Ctrl-C / SIGTERM ask for a stop; the ranks agree on it at the next flag all-reduce. Never
-    aborts on a second signal: torchrun forwards SIGTERM after the terminal's SIGINT."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Signals:
-        def handler(signum: int, frame: Any) -> None:
-            self.requested = True
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+def _check_sharded(cfg: Config) -> None:
+    """What the sharded step (several ranks) cannot do yet, as one line naming what is missing."""
+    if cfg.strategy.absgrad:
+        raise UserError("strategy.absgrad with several ranks: the record exchange returns each owner's screen-space "
+                        "gradients but not their absolute values; train it on one process or with --nproc-per-node=1")
 
 
-def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """torch.stack, but one tensor becomes a view (no copy launched for a batch of one)."""
-    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
+def hold_while_paused(viewer: Any, device: torch.device, should_stop: Any) -> None:
+    """fit --viewer with several ranks: while rank 0's page is paused (`viewer`, None on the
+    other ranks) every rank waits. Rank 0 polls its pause a quarter second at a time and
+    broadcasts it, so no rank waits in one collective for long (dist.timeout_s)."""
+    flag = torch.ones(1, device=device)
+    while bool(flag):
+        flag.fill_(float(viewer is not None and viewer.still_paused(should_stop)))
+        dist.broadcast(flag, 0)
 
 
 class DistTrainer(Trainer):
-    """Trainer on one rank of an initialised process group (torchrun or dist.local.run_local)."""
+    """Trainer on one rank of an initialised process group (torchrun or dist.local.run_local):
+    the loop is Trainer.fit's; this class brings the sharded engine's set-up (ShardInfo), the
+    ranks' agreement, partitioning, and sharded save and load."""
+
+    signal_every_step = False  # the ranks agree on a stop at their sync steps
 
     def __init__(self, cfg: Config, scene: Scene, run_dir: Path, device: torch.device, log=print) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if cfg.strategy.name != "default" or cfg.strategy.absgrad:
-            raise UserError("distributed training supports strategy.name=default without strategy.absgrad")
+        if self.world > 1:
+            _check_sharded(cfg)
         super().__init__(cfg, scene, run_dir, device, log=log if self.rank == 0 else (lambda m: None))
-        self.graphs = None  # a sharded step exchanges records between ranks: not a CUDA graph
+        if self.world > 1:
+            self.strategy.for_owners(self.world)  # densification per owner (MCMC: its share of cap_max)
         # [V, W]: how many of what training view v touches rank r owns (at the last partition);
         # each step's views go to their homes by it, balanced over the ranks (assign_homes)
         self.view_counts = torch.zeros(0, self.world, dtype=torch.int64)
         # rows of the partitioned model in the whole model's order before it (rank-major)
         self.row_order = torch.arange(0)
-        self.comm = CommCounter()  # this rank's exchange bytes, folded into the run record every step
-        self._records = 0  # records this rank's Gaussians sent since the ranks last agreed
         self.loads: list[float] = [0.0] * self.world  # every rank's, as of the last agreement
         with collective_errors(self.rank, cfg.dist.timeout_s):
             for p in self.params.values():  # rank 0 decides the initial model
@@ -230,6 +213,9 @@ class DistTrainer(Trainer):
             self.params = shard
 
     # ----------------------------------------------------------------- step
+    def _shard(self) -> ShardInfo:
+        return ShardInfo(self.rank, self.world, self.homes_of)
+
     def homes_of(self, idx: list[int]) -> list[int]:
         """The renderer rank of each batch view: the rank owning most of what it sees, with
         floor(B/W) or ceil(B/W) views per rank (the same on every rank: a function of the batch)."""
@@ -237,50 +223,22 @@ class DistTrainer(Trainer):
             return [0] * len(idx)
         return assign_homes(self.view_counts.index_select(0, torch.tensor(idx))).tolist()
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any, Any]:
-        """One step of the global batch. Returns (this rank's share of the loss, terms, its first
-        rendered view and target, or None and None when it rendered none)."""
-        cfg, b = self.cfg, self.cfg.train.batch_size
-        with self.timer.phase("data"):
-            idx = [self.sampler.next() for _ in range(b)]
-            views = [self.scene.train[i] for i in idx]
-            cams = [self.train_cams[i] for i in idx]
-            batch = ViewBatch(_stacked([c[0] for c in cams]), _stacked([c[1] for c in cams]),
-                              [v.width for v in views], [v.height for v in views], self.homes_of(idx))  # fmt: skip
-        with self.timer.phase("forward"):
-            out = render_sharded(self.params, batch, self.active_sh_degree(), self.background, cfg.dist.compress,
-                                 counter=self.comm, backend=self.renderer.backend, options=self.renderer.options)
-        self.strategy.step_pre_backward(self.params, self.optimizers, step, out.owner_info)
-        # one rank exchanged nothing (no zero term to tie in); one view has no mean to take
-        loss, terms, gts = (out.zero_term if self.world > 1 else None), {}, []
-        with self.timer.phase("loss"):
-            for j, i in enumerate(out.views):
-                gts.append(self.train_images[idx[i]].float() / 255.0)
-                part, parts = masked_loss(self.runner.loss_fn, out.images[j], gts[-1], cfg.train.ssim_lambda,
-                                          self.train_masks[idx[i]], cfg.data.mask_mode, self.background)  # fmt: skip
-                share = part / b if b > 1 else part
-                loss = share if loss is None else loss + share
-                for k, t in parts.items():
-                    t = t.detach() / b if b > 1 else t.detach()
-                    terms[k] = terms[k] + t if k in terms else t
-        loss = out.zero_term if loss is None else loss
-        self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
-        self._records += out.owner_records
-        self.record.add_pairs(out.pairs)  # this rank's views (rank 0 writes the record)
-        sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
-        self.record.comm_sent += sent
-        self.record.comm_received += received
-        self.comm.reset()
-        image = out.images[0].detach() if out.views else None
-        return loss.detach(), terms, image, gts[0] if gts else None
-
-    # ----------------------------------------------------------------- loop
+    # ----------------------------------------------------------------- the ranks' agreement
     def fit(self, resume: bool = False, state: dict[str, Any] | None = None) -> FitResult:
-        """As Trainer.fit: from `state` or, with `resume`, the newest checkpoint; else from step 0."""
+        """Trainer.fit on every rank; a failed collective becomes one line."""
         with collective_errors(self.rank, self.cfg.dist.timeout_s):
-            return self._fit(resume, state)
+            return super().fit(resume, state)
 
-    def _agree(self, loss: torch.Tensor, stop: bool, check_params: bool) -> tuple[float, int, bool, bool]:
+    def _begin(self, resume: bool, state: dict[str, Any] | None) -> None:
+        if not ((resume or state is not None) and self.resume(state)):
+            if resume:
+                self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
+            seed_everything(self.cfg.train.seed)
+            self._distribute()
+        # dist.rebalance_above's window of loads
+        self._window = LoadWindow(self.world, self.cfg.dist.rebalance_window, self.step)
+
+    def _agree(self, loss: torch.Tensor, stop: bool, check_params: bool) -> Agreement:
         """The one host sync of a sync step, and the only collective outside the render: the
         summed loss, the Gaussian count, any rank's stop request and any non-finite parameter;
         self.loads becomes every rank's records sent since the last agreement (its load)."""
@@ -292,9 +250,19 @@ class DistTrainer(Trainer):
         dist.all_reduce(flags)
         total, count, stops, bads, *self.loads = flags.tolist()
         self._records = 0
-        return total, int(count), stops > 0, bads > 0 or not math.isfinite(total)
+        return Agreement(total, int(count), stops > 0, bads > 0 or not math.isfinite(total))
 
-    def _rebalance_if_uneven(self, step: int) -> None:
+    def _all_finite(self) -> bool:
+        return not self._agree(torch.zeros((), device=self.device), False, True).bad
+
+    def gaussian_count(self) -> int:
+        return self._agree(torch.zeros((), device=self.device), False, False).count
+
+    def _between_steps(self, step: int, end: int) -> None:
+        if self.cfg.dist.reprofile_every and step % self.cfg.dist.reprofile_every == 0 and step < end:
+            self.repartition()  # the same step on every rank
+
+    def _after_agreement(self, step: int) -> None:
         """dist.rebalance_above: partition again when the busiest owner's load (records sent over
         the last dist.rebalance_window steps) exceeds that many times the mean. Every rank decides
         from the same all-reduced loads, so all of them partition at the same step."""
@@ -307,116 +275,9 @@ class DistTrainer(Trainer):
             self.repartition()
             self.record.rebalanced_at.append(step)
 
-    def _fit(self, resume: bool, state: dict[str, Any] | None) -> FitResult:
-        cfg, lead = self.cfg, self.rank == 0
-        if not ((resume or state is not None) and self.resume(state)):
-            if resume:
-                self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
-            seed_everything(cfg.train.seed)
-            self._distribute()
-        total = cfg.train.steps
-        end = cfg.train.stop_at or total
-        start_step = self.step
-        self.record = RunRecord(first_step=start_step, max_gaussians=0)
-        self._window = LoadWindow(self.world, cfg.dist.rebalance_window, start_step)  # dist.rebalance_above's
-        self._evaluated_at = -1
-        eval_steps, save_steps = set(cfg.log.eval_steps) | {end}, set(cfg.log.save_steps) | {end}
-        status, ckpt, saved_at, last_psnr = "done", None, -1, float("nan")
-        t_start = time.perf_counter()
-        bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not lead)
-        with _Signals() as signals:
-            while self.step < end:
-                self.timer.enabled = timed_step(self.step, cfg.dev.time_every)
-                loss, terms, image, gt = self.train_step(self.step)
-                self.step += 1
-                step = self.step
-                if cfg.dist.reprofile_every and step % cfg.dist.reprofile_every == 0 and step < end:
-                    self.repartition()  # the same step on every rank
-                logging = step % cfg.log.tb_every == 0
-                saving = bool(cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end
-                # ranks agree every progress_every steps, not every step: each agreement is a host sync
-                if not (logging or saving or step % cfg.log.progress_every == 0 or step == end):
-                    continue
-                loss_value, count, stop, bad = self._agree(loss, signals.requested, saving)
-                self.record.max_gaussians = max(self.record.max_gaussians, count)
-                if bad:
-                    status = "nan"
-                    break
-                if not stop and step < end:
-                    self._rebalance_if_uneven(step)
-                if image is not None:
-                    last_psnr = float(psnr(image, gt))
-                bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}", gaussians=count)
-                bar.update(step - bar.n)
-                if logging:  # every rank: the timer's pending events are drained either way
-                    self._log_window(step, loss_value, count)
-                if step in eval_steps or step in save_steps:
-                    self._evaluate_and_export(step, step in eval_steps, step in save_steps)
-                if saving or stop:
-                    ckpt, saved_at = self.save(), step
-                if stop:
-                    status = "interrupted"
-                    break
-        bar.close()
-        seconds = time.perf_counter() - t_start
-        if status == "done" and self.step < total:
-            status = "stopped"
-        if status == "interrupted":
-            self.log(f"gstrain: interrupted at step {self.step}; checkpoint saved to {ckpt}")
-        if status == "nan":
-            good = list_checkpoints(self.run_dir)
-            ckpt = good[-1][1] if good else None
-            self.log(f"gstrain: loss became NaN by step {self.step}; stopped. last good checkpoint: {ckpt}")
-        if ckpt is None and saved_at < 0:
-            good = list_checkpoints(self.run_dir)
-            ckpt = good[-1][1] if good else None
-        final = self._final_eval() if status in ("done", "stopped") else None
-        count = self._agree(torch.zeros(()), False, False)[1]
-        result = FitResult(status=status, step=self.step, seconds=seconds, num_gaussians=count,
-                           initial_test_psnr=None, final_test_psnr=final["psnr"] if final else None,
-                           checkpoint=ckpt, final_train_psnr=last_psnr if math.isfinite(last_psnr) else None)
-        if lead:
-            on_ours = self.renderer.backend == "cuda"
-            write_run_record(self.run_dir, self.record, result, final, None, f"sharded/{self.renderer.backend}",
-                             self.cfg.render.atomic_mode if on_ours else None, self.renderer.atomic_threshold,
-                             self.device)  # fmt: skip
-            if self.writer is not None:
-                self.writer.close()
-        return result
+    def _hold_while_paused(self, should_stop: Any) -> None:
+        hold_while_paused(self.viewer if self.lead else None, self.device, should_stop)
 
-    def _evaluate_and_export(self, step: int, evaluate: bool, export: bool) -> None:
-        if evaluate:
-            self._evaluated_at = step
-        with self._whole_model() as lead:
-            if not lead:
-                return
-            metrics = self.evaluate_test() if evaluate else None
-            if metrics is not None:
-                self.record.test_history.append({"step": step, **metrics})
-                self._tb().add_scalar("test/psnr", metrics["psnr"], step)
-                self._tb().add_scalar("test/ssim", metrics["ssim"], step)
-                tqdm.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
-            if export:
-                self.export_ply()
+    def backend_label(self) -> str:
+        return f"sharded/{self.renderer.backend}" if self.world > 1 else self.renderer.backend
 
-    def _final_eval(self) -> dict[str, float] | None:
-        if self._evaluated_at == self.step:  # known on every rank: they gather together or not at all
-            last = self.record.test_history[-1] if self.record.test_history else None
-            return last if last is not None and last["step"] == self.step else None
-        with self._whole_model() as lead:
-            return self.evaluate_test() if lead else None
-
-    def _log_window(self, step: int, loss: float, count: int) -> None:
-        """The timing window into the run record, and (rank 0) TensorBoard: rank 0's phases."""
-        window = self.timer.pending_steps
-        phase_ms = self.timer.summary()
-        self.record.add_window(phase_ms, self.timer.last_host_ms, window)
-        if self.rank != 0:
-            return
-        tb = self._tb()
-        tb.add_scalar("train/loss", loss, step)
-        tb.add_scalar("train/num_gaussians", count, step)
-        for name, lr in current_lrs(self.optimizers).items():
-            tb.add_scalar(f"lr/{name}", lr, step)
-        for phase, ms in phase_ms.items():
-            tb.add_scalar(f"time_ms/{phase}", ms, step)

@@ -43,7 +43,8 @@ from torch import Tensor
 
 from gstrain.render.isect import PairBudget
 from gstrain.train import fused_adam
-from gstrain.train.step import StepResult
+from gstrain.train.context import StepContext
+from gstrain.train.step import StepResult, StepView
 
 CAPACITY_MARGIN = 1.5  # pair buffers hold this many times the most pairs an eager step has seen
 CAPACITY_HEADROOM = 1.1  # ... and grow once that many times the most pairs would not fit
@@ -66,12 +67,11 @@ def capacity_class(n: int) -> int:
     return power * 3 // 4 if power * 3 // 4 >= n else power
 
 
-def canvas_of(trainer: Any) -> tuple[int, ...] | None:
+def canvas_of(images: list[Tensor], fused_loss: bool) -> tuple[int, ...] | None:
     """The canvas shape (the largest height, width) when the steps run on one: views of several
     sizes and the fused loss (the only one that takes a valid size); else None (a graph per size)."""
-    shapes = {tuple(i.shape) for i in trainer.train_images}
-    cfg = getattr(trainer, "cfg", None)
-    if len(shapes) < 2 or cfg is None or not cfg.dev.fused_ssim:
+    shapes = {tuple(i.shape) for i in images}
+    if len(shapes) < 2 or not fused_loss:
         return None
     return (max(s[0] for s in shapes), max(s[1] for s in shapes), *next(iter(shapes))[2:])
 
@@ -86,9 +86,9 @@ class _Graph:
     capacity: int  # the pair capacity it was captured with
 
 
-class GraphSteps:
-    """Runs a Trainer's single-view steps, replaying a captured graph where it may (see the
-    module docstring). `trainer` is the gstrain.train.trainer.Trainer that owns the run.
+class GraphEngine:
+    """The graph step engine (train/engine.py): single-view steps on a StepContext, replaying a
+    captured graph where it may (see the module docstring).
 
     A graph is per image size, or on the canvas per capacity class (see the module docstring);
     the graphs of one epoch (the stretch between two changes of _epoch_key) share one memory
@@ -96,13 +96,15 @@ class GraphSteps:
     is captured once it has come up CAPTURE_AFTER times in the epoch. Pair statistics and
     capacities are kept per group: an image size, or on the canvas a view (its index)."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.t = trainer
-        self.device = trainer.device
-        n_scalars = 2 * len(trainer.optimizers) + 1  # Adam's pairs, then the step's tag
+    name = "graph"
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self.device = ctx.device
+        n_scalars = 2 * len(ctx.optimizers) + 1  # Adam's pairs, then the step's tag
         self.scalars = torch.zeros(n_scalars, device=self.device)
         self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])  # the shared tag and flag
-        self.canvas = canvas_of(trainer)
+        self.canvas = canvas_of(ctx.views.images, bool(ctx.cfg.dev.fused_ssim))
         # per group (an image size; on the canvas a view): pair statistics on the device
         # (PairBudget.pair_sum; on the canvas rows of one [views, 3] tensor, the row chosen on the
         # device), the most pairs it has had as the host knows it, and its pair capacity
@@ -112,7 +114,7 @@ class GraphSteps:
         self.view_stats: Tensor | None = None
         on_gpu = self.device.type == "cuda"  # (the policy and the bookkeeping also run on the CPU, in tests)
         if self.canvas is not None:
-            self.view_stats = torch.zeros((len(trainer.train_images), 3), dtype=torch.int64, device=self.device)
+            self.view_stats = torch.zeros((len(ctx.views.images), 3), dtype=torch.int64, device=self.device)
             self.group_stats = dict(enumerate(self.view_stats))
         # on the canvas: the view's width, height and index, refilled before each replay
         self.view_ints = torch.zeros(3, dtype=torch.int32, device=self.device)
@@ -136,27 +138,34 @@ class GraphSteps:
         self.redone_steps = 0  # replays repeated by redos (the cost of an overflow)
         self.eager_steps: dict[str, int] = {}  # eager steps by reason (eager_reason)
 
+    # ----------------------------------------------------------------- engine
+    def step(self, step: int) -> StepResult:
+        return self.run(step, self.ctx.sampler.next())
+
+    def state_replaced(self) -> None:
+        self.warm = False  # new tensors: the next step runs eagerly, then captures
+
     # ----------------------------------------------------------------- policy
     def eager_reason(self, step: int, idx: int) -> str | None:
         """Why `step` (on view idx) must run eagerly; None when a graph may run it."""
-        t = self.t
+        t = self.ctx
         tuner = t.renderer.tuner
         if tuner is not None and tuner.tuning:
             tuner.poll()  # finish a round whose timings are in (never blocks)
         reasons = (
-            ("first", not self.warm), ("timed", t.timer.enabled), ("viewer", t.viewer is not None),
-            ("mask", t.train_masks[idx] is not None), ("arc_tuning", tuner is not None and tuner.tuning),
+            ("first", not self.warm), ("timed", t.timer.enabled), ("viewer", t.watched),
+            ("mask", t.views.masks[idx] is not None), ("arc_tuning", tuner is not None and tuner.tuning),
             ("strategy", not t.strategy.graph_safe_at(step)),
         )  # fmt: skip
         return next((name for name, applies in reasons if applies), None)
 
     def _epoch_key(self, step: int) -> tuple:
         """Everything a captured step bakes in, the image size aside."""
-        t = self.t
+        t = self.ctx
         params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
         states = (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
         moments = tuple(tuple(s[k].data_ptr() if k in s else None for k in ("exp_avg", "exp_avg_sq")) for s in states)
-        return (params, moments, t.strategy.graph_key(step), t.active_sh_degree(), t.renderer.atomic_threshold)
+        return (params, moments, t.strategy.graph_key(step), t.sh_degree(step), t.renderer.atomic_threshold)
 
     def _new_epoch(self, key: tuple | None) -> None:
         if self.graphs and self.stream is not None:
@@ -172,7 +181,7 @@ class GraphSteps:
     def _group(self, idx: int) -> Any:
         """The key pair statistics and capacities are kept under: view idx's image size, or on the
         canvas the view itself."""
-        return idx if self.canvas is not None else tuple(self.t.train_images[idx].shape)
+        return idx if self.canvas is not None else tuple(self.ctx.views.images[idx].shape)
 
     def _fit(self, pairs: float) -> int:
         """A capacity for `pairs`: rounded up, on the canvas to its capacity class."""
@@ -225,11 +234,9 @@ class GraphSteps:
         return result
 
     def _eager(self, step: int, idx: int) -> StepResult:
-        t = self.t
-        viewmat, K = t.train_cams[idx]
-        gt = t.train_images[idx].float() / 255.0
-        return t.runner.run(t.params, t.optimizers, step, viewmat, K, gt, t.active_sh_degree(), t.background,
-                            scheduler=t.scheduler, mask=t.train_masks[idx])  # fmt: skip
+        t = self.ctx
+        return t.runner.run(t.params, t.optimizers, step, [t.views.step_view(idx)], t.sh_degree(step), t.background,
+                            scheduler=t.scheduler)  # fmt: skip
 
     def _graph_step(self, step: int, idx: int) -> StepResult:
         group = self._group(idx)
@@ -244,10 +251,11 @@ class GraphSteps:
         self.unsettled.append((step, idx))
         if len(self.unsettled) >= MAX_UNSETTLED:
             self.settle()
+        # the target by index: the graph's image input holds a later view by the time it is read
         if self.canvas is None:
-            return entry.outputs
-        height, width = self.t.train_images[idx].shape[:2]  # the view's part of the canvas
-        return replace(entry.outputs, image=entry.outputs.image[:height, :width])
+            return replace(entry.outputs, target=idx)
+        height, width = self.ctx.views.images[idx].shape[:2]  # the view's part of the canvas
+        return replace(entry.outputs, image=entry.outputs.image[:height, :width], target=idx)
 
     def _budget(self, group: Any, capacity: int) -> PairBudget:
         """A graph's pair budget: the shared tag and flag, and its group's statistics (on the
@@ -262,7 +270,7 @@ class GraphSteps:
     def _load(self, step: int, idx: int) -> dict[str, Tensor]:
         """This step's values into the graph's inputs: Adam's scalars (counted on the host here,
         as an eager step counts them), the tag, the camera and the image; then the rate decay."""
-        t = self.t
+        t = self.ctx
         done = self.slot_done[self.slot]
         if done is not None:
             done.synchronize()  # the ring's slot is free once its copy has run: at most INFLIGHT ahead
@@ -271,10 +279,10 @@ class GraphSteps:
         host[-1] = float(step + 1)
         self.scalars.copy_(host, non_blocking=True)
         t.scheduler.step()
-        viewmat, K = t.train_cams[idx]
-        image = t.train_images[idx]
+        viewmat, K = t.views.cams[idx]
+        image = t.views.images[idx]
         if self.image_buffer is None:  # every size's image input is a view of one buffer
-            largest = max(i.numel() for i in t.train_images) if self.canvas is None else math.prod(self.canvas)
+            largest = max(i.numel() for i in t.views.images) if self.canvas is None else math.prod(self.canvas)
             self.image_buffer = torch.zeros(largest, dtype=image.dtype, device=image.device)
             self.camera = {"viewmat": viewmat.clone(), "K": K.clone()}
         shape = self.canvas if self.canvas is not None else tuple(image.shape)
@@ -303,7 +311,7 @@ class GraphSteps:
         self.slot = (self.slot + 1) % INFLIGHT
 
     def _capture(self, step: int, inputs: dict[str, Tensor], budget: PairBudget) -> _Graph:
-        t = self.t
+        t = self.ctx
         timed, t.timer.enabled = t.timer.enabled, False  # (a redo can capture during a timed step)
         for p in t.params.values():
             p.grad = None
@@ -326,9 +334,9 @@ class GraphSteps:
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     gt = inputs["image"].float() / 255.0
-                    result = runner.run(t.params, t.optimizers, step, inputs["viewmat"], inputs["K"], gt,
-                                        t.active_sh_degree(), t.background, scheduler=None, mask=None,
-                                        valid=inputs.get("valid"))  # fmt: skip
+                    view = StepView(inputs["viewmat"], inputs["K"], gt, None, inputs.get("valid"))
+                    result = runner.run(t.params, t.optimizers, step, [view], t.sh_degree(step), t.background,
+                                        scheduler=None)  # fmt: skip
                 finally:
                     graph.capture_end()
         finally:
@@ -353,7 +361,7 @@ class GraphSteps:
             self.views += len(self.unsettled)
             self.unsettled.clear()
             return None
-        t = self.t
+        t = self.ctx
         redo = [(s, i) for s, i in self.unsettled if s >= first]
         self.views += len(self.unsettled) - len(redo)
         self.unsettled.clear()
@@ -368,13 +376,9 @@ class GraphSteps:
         self.capacities[group] = max(grown, self._fit(self.capacities.get(group, 0) + CAPACITY_ROUND))
         self.redos += 1
         self.redone_steps += len(redo)
-        result, now = None, t.step
-        try:
-            for s, i in redo:
-                t.step = s  # what the step read then (the SH degree, if its size is captured again)
-                result = self._graph_step(s, i)
-        finally:
-            t.step = now
+        result = None
+        for s, i in redo:
+            result = self._graph_step(s, i)
         again = self.settle()
         return again if again is not None else result
 

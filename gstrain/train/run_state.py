@@ -38,15 +38,18 @@ class ViewSampler:
 
 
 class _StopFlag:
-    """First Ctrl-C (or SIGTERM) asks the loop to stop after the current step and save; a second aborts."""
+    """First Ctrl-C (or SIGTERM) asks the loop to stop after the current step and save; a second
+    aborts, unless not `abort_on_second`: under torchrun, which forwards SIGTERM after the
+    terminal's SIGINT, the ranks agree on the stop at their next sync step instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, abort_on_second: bool = True) -> None:
+        self.abort_on_second = abort_on_second
         self.requested = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopFlag:
         def handler(signum: int, frame: Any) -> None:
-            if self.requested:
+            if self.requested and self.abort_on_second:
                 raise KeyboardInterrupt
             self.requested = True
 

@@ -33,21 +33,32 @@ from gstrain.train.timing import PhaseTimer
 class StepResult:
     loss: Tensor  # detached, on the device
     terms: dict[str, Tensor]  # detached loss terms
-    image: Tensor  # the render [H, W, 3], detached
+    image: Tensor | None  # the step's first render [H, W, 3], detached (None: this rank rendered none)
     changed: bool  # densification may have changed the set of Gaussians
     # (Gaussian, tile) pairs from the intersection, after dev.ellipse_cull, and views: host ints
     # that our CUDA render reports (None on other backends)
     pairs: tuple[int, int, int] | None = None
+    # the first render's target: floats [H, W, 3], or a training view's index (the loop turns it
+    # into the image only when it reads the train PSNR); None with no render
+    target: Tensor | int | None = None
+    comm: tuple[int, int] | None = None  # bytes this rank sent and received (the sharded step)
+    records: int = 0  # records this rank's Gaussians sent to other renderers (the sharded step)
 
 
 @dataclass
-class BatchView:
-    """One view of a batch step: camera, target (float, [H,W,3]) and mask (None: every pixel)."""
+class StepView:
+    """One view of a step: camera, target (float, [H,W,3]) and mask (None: every pixel). `valid`
+    ([2] int32 on the device): the target is a canvas whose top-left valid part is the view, as
+    the renderer's RasterOptions.valid_size (train/graph_step.py)."""
 
     viewmat: Tensor
     K: Tensor
     gt: Tensor
     mask: ViewMask | None = None
+    valid: Tensor | None = None
+
+
+BatchView = StepView  # the name bench scripts know
 
 
 def _grads_of(tensors: list[Tensor], attr: str) -> Tensor | None:
@@ -98,49 +109,14 @@ class StepRunner:
         params: torch.nn.ParameterDict,
         optimizers: dict[str, torch.optim.Optimizer],
         step: int,
-        viewmat: Tensor,
-        K: Tensor,
-        gt: Tensor,
-        sh_degree: int,
-        background: Tensor | None,
-        scheduler: Any = None,
-        mask: ViewMask | None = None,
-        valid: Tensor | None = None,
-    ) -> StepResult:
-        """One step on one view. `valid` ([2] int32 on the device): gt is a canvas whose top-left
-        valid part is the view, as the renderer's RasterOptions.valid_size (train/graph_step.py)."""
-        timer = self.timer
-        height, width = gt.shape[:2]
-        with timer.phase("forward"):
-            image, _, info = self.renderer(params, viewmat, K, width, height, sh_degree, background, timer=timer)
-        self.strategy.step_pre_backward(params, optimizers, step, info)
-        with timer.phase("loss"):
-            if valid is not None:
-                from gstrain.train.fused_ssim import fused_photometric_loss
-
-                loss, terms = fused_photometric_loss(image, gt, self.cfg.train.ssim_lambda, valid=valid)
-            else:  # masks: the view's mask (None: every pixel) under data.mask_mode (train/masking.py)
-                loss, terms = masked_loss(self.loss_fn, image, gt, self.cfg.train.ssim_lambda, mask,
-                                          self.cfg.data.mask_mode, background)  # fmt: skip
-            reg = self.strategy.loss_term(params)
-            if reg is not None:
-                loss = loss + reg
-        changed = self.finish(params, optimizers, step, loss, lambda: info, scheduler)
-        return StepResult(loss.detach(), {k: v.detach() for k, v in terms.items()}, image.detach(), changed,
-                          sum_pairs([info.get("isect_pairs")]))  # fmt: skip
-
-    def run_batch(
-        self,
-        params: torch.nn.ParameterDict,
-        optimizers: dict[str, torch.optim.Optimizer],
-        step: int,
-        views: list[BatchView],
+        views: list[StepView],
         sh_degree: int,
         background: Tensor | None,
         scheduler: Any = None,
     ) -> StepResult:
-        """One step on B views (train.batch_size): loss = the mean of the B per-view losses, one
-        backward, one optimizer step; densification sees all B views as gsplat's n_cameras=B."""
+        """One step on B views (B = train.batch_size; one for the single-view step): loss = the
+        mean of the B per-view losses, one backward, one optimizer step; densification sees all
+        B views as gsplat's n_cameras=B. One view takes its loss and info as they are."""
         timer = self.timer
         infos, images, losses, terms_sum = [], [], [], {}
         for v in views:
@@ -150,21 +126,31 @@ class StepRunner:
                                                timer=timer)  # fmt: skip
             self.strategy.step_pre_backward(params, optimizers, step, info)
             with timer.phase("loss"):
-                loss, terms = masked_loss(self.loss_fn, image, v.gt, self.cfg.train.ssim_lambda, v.mask,
-                                          self.cfg.data.mask_mode, background)  # fmt: skip
+                loss, terms = self.view_loss(image, v, background)
             losses.append(loss)
-            for k, t in terms.items():
-                terms_sum[k] = terms_sum.get(k, 0) + t.detach()
+            terms_sum = terms if len(views) == 1 else {k: terms_sum.get(k, 0) + t.detach() for k, t in terms.items()}
             infos.append(info)
             images.append(image)
-        loss = torch.stack(losses).mean()
-        reg = self.strategy.loss_term(params)
-        if reg is not None:
-            loss = loss + reg
-        changed = self.finish(params, optimizers, step, loss, lambda: merge_infos(infos), scheduler)
-        terms_mean = {k: t / len(views) for k, t in terms_sum.items()}
+        loss = losses[0] if len(views) == 1 else torch.stack(losses).mean()
+        with timer.phase("loss"):
+            reg = self.strategy.loss_term(params)
+            if reg is not None:
+                loss = loss + reg
+        info_fn = (lambda: infos[0]) if len(views) == 1 else (lambda: merge_infos(infos))
+        changed = self.finish(params, optimizers, step, loss, info_fn, scheduler)
+        terms_mean = {k: t.detach() / len(views) if len(views) > 1 else t.detach() for k, t in terms_sum.items()}
         pairs = sum_pairs([i.get("isect_pairs") for i in infos])
-        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, pairs)
+        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, pairs, target=views[0].gt)
+
+    def view_loss(self, image: Tensor, view: StepView, background: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """One view's photometric loss and its terms: on a canvas the fused loss over the valid
+        part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py)."""
+        if view.valid is not None:
+            from gstrain.train.fused_ssim import fused_photometric_loss
+
+            return fused_photometric_loss(image, view.gt, self.cfg.train.ssim_lambda, valid=view.valid)
+        return masked_loss(self.loss_fn, image, view.gt, self.cfg.train.ssim_lambda, view.mask,
+                           self.cfg.data.mask_mode, background)  # fmt: skip
 
     def finish(self, params: torch.nn.ParameterDict, optimizers: dict[str, torch.optim.Optimizer], step: int,
                loss: Tensor, info_fn: Any, scheduler: Any = None) -> bool:  # fmt: skip

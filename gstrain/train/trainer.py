@@ -1,11 +1,19 @@
-"""The training loop: data -> render -> loss -> backward -> Adam -> densification, with logging,
-checkpoints, Ctrl-C and NaN safety. The trainer owns the loop; the modules it calls do not call back.
+"""The training loop: the one loop of gstrain, for one process and for every rank under torchrun.
+
+Data flows one way: scene -> model -> render -> loss -> backward -> optimizer -> strategy. The
+loop owns the schedule (steps, evaluations, checkpoints, PLY exports, Ctrl-C / SIGTERM, the NaN
+stop, progress and logging); each step goes through the step engine chosen at set-up
+(train/engine.py), which works on a StepContext and never calls back. The distributed trainer
+(gstrain/dist/trainer.py) brings only what is its own: the sharded engine, the ranks' agreement
+on stop / NaN / progress every log.progress_every steps, partitioning, and sharded save and load.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +22,21 @@ import torch
 from tqdm import tqdm
 
 from gstrain.config import Config
-from gstrain.data.scene import Scene, View
+from gstrain.data.scene import Scene
 from gstrain.data.view_volume import view_volume_points
 from gstrain.errors import UserError
-from gstrain.metrics import Metrics, metric_target, psnr
+from gstrain.metrics import psnr
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
-from gstrain.render.sh import sh_degree_at
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
-from gstrain.train.graph_step import GraphSteps, graphs_possible
+from gstrain.train.context import ShardInfo, StepContext, TrainViews
+from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.masking import prepare_mask
-from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
+from gstrain.train.optim import build_means_scheduler, build_optimizers
+from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
-from gstrain.train.step import BatchView, StepRunner
+from gstrain.train.step import StepRunner, StepView
 from gstrain.train.strategies import build_strategy
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer, timed_step
@@ -35,18 +44,37 @@ from gstrain.train.timing import PhaseTimer, timed_step
 __all__ = ["FitResult", "Trainer", "ViewSampler", "seed_everything"]
 
 
-def _memory_text(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f}G"
-    try:
-        import resource
+@dataclass
+class Agreement:
+    """What the loop knows at a sync step: the loss (summed over ranks), the Gaussian count, and
+    whether any rank asked to stop or went non-finite."""
 
-        return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}G"
-    except Exception:  # noqa: BLE001 - memory display is best effort
-        return "?"
+    loss: float
+    count: int
+    stop: bool
+    bad: bool
 
 
-class Trainer:
+@dataclass
+class _Due:
+    """What a step is due for."""
+
+    logging: bool
+    progress: bool
+    saving: bool
+    evaluating: bool
+    exporting: bool
+
+    @property
+    def any(self) -> bool:
+        return self.logging or self.progress or self.saving or self.evaluating or self.exporting
+
+
+class Trainer(RunReporting):
+    rank, world = 0, 1
+    # one process polls Ctrl-C at every step (and a second one aborts); ranks agree on it at sync steps
+    signal_every_step = True
+
     def __init__(self, cfg: Config, scene: Scene, run_dir: Path, device: torch.device, log=print) -> None:
         if not scene.train:
             raise UserError("the scene has no training views (all images went to the test split)")
@@ -59,25 +87,68 @@ class Trainer:
         self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad, dev=cfg.dev)
         self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
         # Images live on the device as uint8 (a quarter of float32) and are converted per step.
-        self.train_images = [v.image.to(device) for v in scene.train]
-        self.train_cams = [(v.viewmat.to(device), v.K.to(device)) for v in scene.train]
-        self.train_masks = [prepare_mask(v.mask, device) for v in scene.train]  # masks: None = unmasked
-        self.params = self._initial_params()
-        self.optimizers = build_optimizers(self.params, cfg.optim, scene.extent)
-        self.scheduler = build_means_scheduler(self.optimizers["means"], cfg.optim, cfg.train.steps)
+        views = TrainViews([v.image.to(device) for v in scene.train],
+                           [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
+                           [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
+        params = self._initial_params()
+        optimizers = build_optimizers(params, cfg.optim, scene.extent)
         self.strategy = build_strategy(cfg.strategy, scene.extent, device, cfg.dev)
-        self.strategy.check(self.params, self.optimizers)
+        self.strategy.check(params, optimizers)
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
-        self.viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
-        # dev.cuda_graphs: single-view steps replayed as CUDA graphs (None: every step eager)
-        self.graphs = GraphSteps(self) if graphs_possible(cfg, self.renderer, self.runner, device) else None
+        self.ctx = StepContext(
+            cfg=cfg, device=device, params=params, optimizers=optimizers,
+            scheduler=build_means_scheduler(optimizers["means"], cfg.optim, cfg.train.steps),
+            strategy=self.strategy, runner=self.runner, views=views, sampler=self.sampler,
+            sh_degree=self.active_sh_degree, timer=self.timer, background=self.background,
+            shard=self._shard(), batch_size=cfg.train.batch_size,
+        )  # fmt: skip
+        self.engine: StepEngine = build_engine(choose_engine(self.ctx), self.ctx)
+        self._viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
+        self.watch_every = 0  # fit --viewer under several ranks: steps between the whole-model refreshes
         self.record = RunRecord()  # what this process reports in train_summary.json
         self._window_start: tuple[int, float] | None = None  # (step, perf_counter) of the timing window
+        self._evaluated_at = -1  # the last step evaluated on the test views
+        self._records = 0  # records this rank's Gaussians sent since the ranks last agreed (sharded)
         self.writer = None
         self.checkpoints = CheckpointWriter(run_dir, keep=cfg.log.keep_ckpts)
+
+    def _shard(self) -> ShardInfo | None:
+        """The sharded engine's set-up (the distributed trainer's); None: one process."""
+        return None
+
+    # the model lives in the engine's context: one owner, replaced on load
+    params = property(lambda self: self.ctx.params, lambda self, v: setattr(self.ctx, "params", v))
+    optimizers = property(lambda self: self.ctx.optimizers, lambda self, v: setattr(self.ctx, "optimizers", v))
+    scheduler = property(lambda self: self.ctx.scheduler, lambda self, v: setattr(self.ctx, "scheduler", v))
+    train_images = property(lambda self: self.ctx.views.images)
+    train_cams = property(lambda self: self.ctx.views.cams)
+    train_masks = property(lambda self: self.ctx.views.masks)
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def viewer(self) -> Any:
+        return self._viewer
+
+    @viewer.setter
+    def viewer(self, viewer: Any) -> None:
+        self._viewer = viewer
+        self.ctx.watched = viewer is not None  # the graph engine runs watched steps eagerly
+
+    @property
+    def graphs(self) -> Any:
+        """The CUDA-graph engine when it runs the steps, else None (bench scripts read it)."""
+        return self.engine if self.engine.name == "graph" else None
+
+    @graphs.setter
+    def graphs(self, engine: Any) -> None:
+        self.engine = engine if engine is not None else build_engine("batch" if self.ctx.batch_size > 1 else "eager",
+                                                                     self.ctx)  # fmt: skip
 
     # ----------------------------------------------------------------- setup
     def _initial_params(self) -> torch.nn.ParameterDict:
@@ -127,8 +198,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
-        if self.graphs is not None:
-            self.graphs.warm = False  # new tensors: the next step runs eagerly, then captures
+        self.engine.state_replaced()
 
     def resume(self) -> bool:
         state = load_latest_checkpoint(self.run_dir, map_location="cpu")
@@ -152,242 +222,188 @@ class Trainer:
         save_ply(self.params, path)
         return path
 
-    # ----------------------------------------------------------------- evaluation
-    @torch.no_grad()
-    def render_view(self, view: View, sh_degree: int | None = None) -> torch.Tensor:
-        degree = self.active_sh_degree() if sh_degree is None else sh_degree
-        image, _, _ = self.renderer(
-            self.params, view.viewmat.to(self.device), view.K.to(self.device),
-            view.width, view.height, degree, self.background,
-        )
-        return image.clamp(0, 1)
-
-    @torch.no_grad()
-    def evaluate_test(self) -> dict[str, float] | None:
-        """Mean PSNR / SSIM over the held-out views (LPIPS is left to `gstrain eval`)."""
-        scores = self.score_views(self.scene.test)
-        if scores is None:
-            return None
-        self.record.last_test_views = (self.step, scores["views_psnr"])
-        return {"psnr": scores["psnr"], "ssim": scores["ssim"]}
-
-    @torch.no_grad()
-    def score_views(self, views: list[View]) -> dict[str, Any] | None:
-        """Mean PSNR / SSIM over `views`, and each view's PSNR by name; None for no views."""
-        if not views:
-            return None
-        metrics = Metrics(self.device, lpips=False)
-        for view in views:
-            # masks: kept pixels only (ignore) or against the composited target (background)
-            gt, keep = metric_target(view.image.to(self.device).float() / 255.0, view.mask,
-                                     self.cfg.data.mask_mode, self.background)
-            metrics.add(self.render_view(view), gt, keep)
-        summary = metrics.summary()
-        per_view = {v.name: round(r["psnr"], 3) for v, r in zip(views, summary["per_image"], strict=True)}
-        return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view}
-
-    def active_sh_degree(self) -> int:
-        return sh_degree_at(self.step, self.cfg.train.sh_degree_interval, self.cfg.model.sh_degree)
-
-    # ----------------------------------------------------------------- loop
-    def _tb(self):
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tb"))
-        return self.writer
-
-    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor | int]:
-        """One optimisation step. Returns (loss, loss terms, render, target) as device tensors: no
-        sync. The target may be a training view's index instead (train_target makes it a tensor)."""
-        if self.cfg.train.batch_size > 1:
-            with self.timer.phase("data"):
-                views = [self.batch_view(self.sampler.next()) for _ in range(self.cfg.train.batch_size)]
-            result = self.runner.run_batch(self.params, self.optimizers, step, views, self.active_sh_degree(),
-                                           self.background, scheduler=self.scheduler)  # fmt: skip
-            gt = views[0].gt  # the batch's first view stands for it in the train PSNR
-        elif self.graphs is not None:
-            idx = self.sampler.next()
-            result, gt = self.graphs.run(step, idx), idx
-        else:
-            with self.timer.phase("data"):
-                idx = self.sampler.next()
-                viewmat, K = self.train_cams[idx]
-                gt = self.train_images[idx].float() / 255.0
-            result = self.runner.run(
-                self.params, self.optimizers, step, viewmat, K, gt, self.active_sh_degree(), self.background,
-                scheduler=self.scheduler, mask=self.train_masks[idx],
-            )
-        self.record.add_pairs(result.pairs)
-        if result.changed:  # the count is known on the host: no sync
-            self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
-        return result.loss, result.terms, result.image, gt
-
-    def train_target(self, gt: torch.Tensor | int) -> torch.Tensor:
-        return self.train_images[gt].float() / 255.0 if isinstance(gt, int) else gt
-
-    def batch_view(self, idx: int) -> BatchView:
-        """Training view `idx` as a batch step reads it (the target as floats in 0..1)."""
-        viewmat, K = self.train_cams[idx]
-        return BatchView(viewmat, K, self.train_images[idx].float() / 255.0, self.train_masks[idx])
-
-    def fit(self, resume: bool = False, state: dict[str, Any] | None = None) -> FitResult:
-        """Train to the end (or train.stop_at); `state` (or, with `resume`, the newest checkpoint)
-        is where it goes on from. A run with no checkpoint yet starts at step 0, seeded."""
-        cfg = self.cfg
+    # ----------------------------------------------------------------- what the ranks share
+    # One process: these are local. The distributed trainer overrides them with collectives.
+    def _begin(self, resume: bool, state: dict[str, Any] | None) -> None:
+        """Where fit starts: `state`, or with `resume` the newest checkpoint; else step 0, seeded."""
         if state is None and resume:
             state = load_latest_checkpoint(self.run_dir, map_location="cpu")
         if state is not None:
             self.load_state_dict(state)
-        else:
-            if resume:
-                self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
-            seed_everything(cfg.train.seed)
+            return
+        if resume:
+            self.log(f"gstrain: {self.run_dir} has no checkpoint yet; starting at step 0")
+        seed_everything(self.cfg.train.seed)
+
+    def _agree(self, loss: torch.Tensor, stop: bool, check_params: bool) -> Agreement:
+        """The sync step's one host read of the loss; `check_params`: a non-finite parameter is bad too."""
+        value = float(loss)
+        bad = not math.isfinite(value) or (check_params and not self._params_finite())
+        return Agreement(value, len(self.params["means"]), stop, bad)
+
+    def _between_steps(self, step: int, end: int) -> None:
+        """After step `step` on every rank alike (the distributed trainer partitions again here)."""
+
+    def _after_agreement(self, step: int) -> None:
+        """After a sync step that goes on (the distributed trainer rebalances here)."""
+
+    def _all_finite(self) -> bool:
+        return self._params_finite()
+
+    def gaussian_count(self) -> int:
+        return len(self.params["means"])
+
+    @contextmanager
+    def _whole_model(self):
+        """Inside the block the lead rank's self.params is the whole model; yields whether this is it."""
+        yield True
+
+    def backend_label(self) -> str:
+        return self.renderer.backend
+
+    # ----------------------------------------------------------------- step
+    def train_step(self, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, Any]:
+        """One optimisation step through the engine. Returns (loss, loss terms, render, target) as
+        device tensors, no sync; the target may be a training view's index (train_target makes it
+        an image); render and target are None on a rank that rendered no view."""
+        result = self.engine.step(step)
+        self.record.add_pairs(result.pairs)
+        if result.comm is not None:
+            self.record.comm_sent += result.comm[0]
+            self.record.comm_received += result.comm[1]
+        self._records += result.records
+        if result.changed and self.world == 1:  # the count is known on the host: no sync
+            self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
+        return result.loss, result.terms, result.image, result.target
+
+    def train_target(self, gt: torch.Tensor | int) -> torch.Tensor:
+        return self.ctx.views.target(gt) if isinstance(gt, int) else gt
+
+    def batch_view(self, idx: int) -> StepView:
+        """Training view `idx` as a step reads it (the target as floats in 0..1)."""
+        return self.ctx.views.step_view(idx)
+
+    # ----------------------------------------------------------------- the loop
+    def fit(self, resume: bool = False, state: dict[str, Any] | None = None) -> FitResult:
+        """Train to the end (or train.stop_at); `state` (or, with `resume`, the newest checkpoint)
+        is where it goes on from. A run with no checkpoint yet starts at step 0, seeded."""
+        cfg = self.cfg
+        self._begin(resume, state)
         total = cfg.train.steps
         # train.stop_at pauses the run there (checkpoint, evaluation, PLY as at the end); the
         # learning-rate decay and the eval/save steps still follow `total`, so --resume goes on
         # exactly as an unpaused run would
         end = cfg.train.stop_at or total
         start_step = self.step
-        self.record = RunRecord(first_step=start_step, max_gaussians=len(self.params["means"]))
-        initial = self.evaluate_test() if start_step == 0 else None
-        if initial is not None:
-            self.log(f"gstrain: initial test PSNR {initial['psnr']:.2f} dB over {len(self.scene.test)} views")
-            self.record.test_history.append({"step": 0, **initial})
+        self.record = RunRecord(first_step=start_step, max_gaussians=self.gaussian_count())
+        initial = self._evaluate(0) if start_step == 0 else None
         eval_steps = set(cfg.log.eval_steps) | {end}
         save_steps = set(cfg.log.save_steps) | {end}
         last_psnr = float("nan")
-        status = "done"
-        ckpt: Path | None = None
+        status, ckpt, saved_at = "done", None, -1
         t_start = time.perf_counter()
-        bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step")
-        with _StopFlag() as stop:
+        bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not self.lead)
+        with _StopFlag(abort_on_second=self.signal_every_step) as signals:
             while self.step < end:
                 self.timer.enabled = timed_step(self.step, cfg.dev.time_every)
                 loss, terms, image, gt = self.train_step(self.step)
                 self.step += 1
                 step = self.step
-                logging = step % cfg.log.tb_every == 0
-                progress = step % cfg.log.progress_every == 0 or step == end
-                saving = (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end
-                reads = logging or progress or saving or step in eval_steps or step in save_steps
-                if self.graphs is not None and (reads or stop.requested or self.viewer is not None):
-                    redone = self.graphs.settle()  # graph steps are exact before anything is read
-                    if redone is not None:
-                        loss, terms, image = redone.loss, redone.terms, redone.image
+                self._between_steps(step, end)
+                due = _Due(logging=step % cfg.log.tb_every == 0,
+                           progress=step % cfg.log.progress_every == 0 or step == end,
+                           saving=bool(cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or step == end,
+                           evaluating=step in eval_steps, exporting=step in save_steps)  # fmt: skip
+                # a sync step reads the GPU (the ranks agree on it): every progress_every steps, not every step
+                local = self.signal_every_step and (signals.requested or self.viewer is not None)
+                watching = bool(self.watch_every) and step % self.watch_every == 0  # the same on every rank
+                if not (due.any or local or watching):
+                    continue
+                redone = self.engine.settle()  # the steps are exact before anything is read
+                if redone is not None:
+                    loss, terms, image = redone.loss, redone.terms, redone.image
                 # train PSNR only when someone reads it: four launches saved on the other steps
-                train_psnr = psnr(image, self.train_target(gt)) if logging or progress else None
-                if self.viewer is not None:
-                    self.viewer.on_step(step, self.params, loss, train_psnr)
-                    self.viewer.wait_if_paused(lambda: stop.requested)
-                if progress:
-                    loss_value = float(loss)  # the one host sync per progress_every steps
-                    if not math.isfinite(loss_value):
+                shown = (due.logging or due.progress) and image is not None
+                train_psnr = psnr(image, self.train_target(gt)) if shown else None
+                self._show(step, loss, train_psnr, signals, watching)
+                stop = signals.requested and self.signal_every_step  # ranks stop only once they agree
+                if due.any:
+                    agreed = self._agree(loss, signals.requested, due.saving)
+                    self.record.max_gaussians = max(self.record.max_gaussians, agreed.count)
+                    if agreed.bad:
                         status = "nan"
                         break
-                    last_psnr = float(train_psnr)
-                    bar.set_postfix(
-                        loss=f"{loss_value:.4f}", psnr=f"{last_psnr:.2f}",
-                        gaussians=len(self.params["means"]), mem=_memory_text(self.device),
-                    )
-                    bar.update(step - bar.n)
-                if logging:
-                    self._log_scalars(step, loss, terms, train_psnr)
-                if step in eval_steps:
-                    metrics = self.evaluate_test()
-                    if metrics is not None:
-                        self.record.test_history.append({"step": step, **metrics})
-                        self._tb().add_scalar("test/psnr", metrics["psnr"], step)
-                        self._tb().add_scalar("test/ssim", metrics["ssim"], step)
-                        self._log_test_renders(step)
-                        bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
-                if saving:
-                    if not (math.isfinite(float(loss)) and self._params_finite()):
-                        status = "nan"
-                        break
-                    # on disk before the PLY: on a nearly full disk the run's state comes first
-                    ckpt = self.save(wait=step in save_steps)
-                if step in save_steps:
-                    self.export_ply()
-                if stop.requested:
+                    stop = agreed.stop
+                    if not stop and step < end:
+                        self._after_agreement(step)
+                    last_psnr = float(train_psnr) if train_psnr is not None else last_psnr
+                    if due.progress:
+                        bar.set_postfix(loss=f"{agreed.loss:.4f}", psnr=f"{last_psnr:.2f}", gaussians=agreed.count,
+                                        mem=memory_text(self.device))  # fmt: skip
+                        bar.update(step - bar.n)
+                    if due.logging:
+                        self._log_scalars(step, agreed.loss, terms, train_psnr, agreed.count, self.lead)
+                if due.evaluating:
+                    self._evaluate(step, bar)
+                if due.saving:  # on disk before the PLY: on a nearly full disk the run's state comes first
+                    ckpt, saved_at = self.save(wait=due.exporting), step
+                if due.exporting:
+                    self._export()
+                if stop:
                     status = "interrupted"
                     break
         bar.close()
-        if self.graphs is not None:
-            self.graphs.settle()
-            self.record.add_pairs(self.graphs.pair_totals())
-            self.record.graphs = self.graphs.summary()
+        return self._finish(status, ckpt, saved_at, initial, last_psnr, t_start)
+
+    def _finish(self, status: str, ckpt: Path | None, saved_at: int, initial: dict[str, float] | None,
+                last_psnr: float, t_start: float) -> FitResult:  # fmt: skip
+        """After the loop: the engine's account, the interrupted save, the NaN line, the final
+        evaluation and the run record."""
+        cfg = self.cfg
+        self.engine.settle()
+        self.record.add_pairs(self.engine.pair_totals())
+        self.record.graphs = self.engine.summary()
         self.checkpoints.wait()  # the last write is part of the run's time
         seconds = time.perf_counter() - t_start
-        if status == "done" and self.step < total:
+        if status == "done" and self.step < cfg.train.steps:
             status = "stopped"  # at train.stop_at, with its checkpoint: --resume goes on
         finished = status in ("done", "stopped")
-        if ckpt is None and finished:  # resumed at or past the end: nothing to train
-            good = list_checkpoints(self.run_dir)
-            ckpt = good[-1][1] if good else None
-
         if status == "interrupted":
-            if self._params_finite():
+            if saved_at == self.step:
+                self.log(f"gstrain: interrupted at step {self.step}; checkpoint saved to {ckpt}")
+            elif self._all_finite():
                 ckpt = self.save(wait=True)
                 self.log(f"gstrain: interrupted at step {self.step}; checkpoint saved to {ckpt}")
             else:
                 status = "nan"
-        if status == "nan":
+        if status == "nan" or (ckpt is None and finished):  # NaN, or resumed at or past the end
             good = list_checkpoints(self.run_dir)
-            where = f"last good checkpoint: {good[-1][1]}" if good else "no checkpoint had been written yet"
-            self.log(f"gstrain: loss became NaN by step {self.step}; stopped. {where}")
             ckpt = good[-1][1] if good else None
+        if status == "nan":
+            where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint had been written yet"
+            self.log(f"gstrain: loss became NaN by step {self.step}; stopped. {where}")
         final = None
-        if finished:  # the loop's own evaluation of the last step, when it made one
+        if finished and self._evaluated_at == self.step:  # the loop's own evaluation of the last step
             last = self.record.test_history[-1] if self.record.test_history else None
-            final = last if last is not None and last["step"] == self.step else self.evaluate_test()
+            final = last if last is not None and last["step"] == self.step else None
+        elif finished:
+            with self._whole_model() as lead:
+                final = self.evaluate_test() if lead else None
+        train_views = None
+        if finished and cfg.log.eval_train_views:
+            with self._whole_model() as lead:
+                train_views = self.score_views(self.scene.train) if lead else None
         result = FitResult(
-            status=status, step=self.step, seconds=seconds, num_gaussians=len(self.params["means"]),
+            status=status, step=self.step, seconds=seconds, num_gaussians=self.gaussian_count(),
             initial_test_psnr=initial["psnr"] if initial else None,
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
             final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
         )
-        train_views = self.score_views(self.scene.train) if finished and cfg.log.eval_train_views else None
-        on_ours = self.renderer.backend == "cuda"  # the atomic mode means something on our kernels only
-        write_run_record(self.run_dir, self.record, result, final, train_views, self.renderer.backend,
-                         self.cfg.render.atomic_mode if on_ours else None, self.renderer.atomic_threshold,
-                         self.device)  # fmt: skip
-        if self.writer is not None:
-            self.writer.close()
+        if self.lead:
+            on_ours = self.renderer.backend == "cuda"  # the atomic mode means something on our kernels only
+            write_run_record(self.run_dir, self.record, result, final, train_views, self.backend_label(),
+                             cfg.render.atomic_mode if on_ours else None, self.renderer.atomic_threshold,
+                             self.device)  # fmt: skip
+            if self.writer is not None:
+                self.writer.close()
         return result
-
-    # ----------------------------------------------------------------- logging
-    def _log_scalars(self, step: int, loss: torch.Tensor, terms: dict[str, torch.Tensor], train_psnr) -> None:
-        tb = self._tb()
-        tb.add_scalar("train/loss", float(loss), step)
-        for name, value in terms.items():
-            tb.add_scalar(f"train/{name}", float(value), step)
-        tb.add_scalar("train/psnr", float(train_psnr), step)
-        tb.add_scalar("train/num_gaussians", len(self.params["means"]), step)
-        for name, lr in current_lrs(self.optimizers).items():
-            tb.add_scalar(f"lr/{name}", lr, step)
-        window = self.timer.pending_steps
-        phase_ms = self.timer.summary()  # synchronises: the window's GPU work is done
-        for phase, ms in phase_ms.items():
-            tb.add_scalar(f"time_ms/{phase}", ms, step)
-        for phase, ms in self.timer.last_host_ms.items():
-            tb.add_scalar(f"host_ms/{phase}", ms, step)
-        self.record.add_window(phase_ms, self.timer.last_host_ms, window)
-        now = time.perf_counter()
-        if self._window_start is not None and step > self._window_start[0]:
-            # wall clock per step over the window, logging included: what the user waits for
-            wall = (now - self._window_start[1]) * 1e3 / (step - self._window_start[0])
-            tb.add_scalar("time_ms/step_wall", wall, step)
-        self._window_start = (step, now)
-        threshold = self.renderer.atomic_threshold
-        if threshold is not None:
-            tb.add_scalar("render/atomic_threshold", threshold, step)
-        if self.device.type == "cuda":
-            tb.add_scalar("memory/peak_gib", torch.cuda.max_memory_allocated(self.device) / 2**30, step)
-
-    def _log_test_renders(self, step: int) -> None:
-        for i, view in enumerate(self.scene.test[:2]):
-            image = self.render_view(view)
-            self._tb().add_image(f"test/{view.name}", image.permute(2, 0, 1).cpu(), step)
-            if i >= 1:
-                break

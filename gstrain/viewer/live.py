@@ -69,9 +69,18 @@ class LiveViewer:
 
     def wait_if_paused(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Block while paused; returns when resumed, when no browser is left, or when should_stop() says so."""
-        while not self._running.wait(0.25):
-            if (should_stop is not None and should_stop()) or not self.server.get_clients():
-                self._set_running(True)
+        while self.still_paused(should_stop):
+            pass
+
+    def still_paused(self, should_stop: Callable[[], bool] | None = None) -> bool:
+        """Wait up to a quarter second for a resume; whether the pause goes on. It ends when no
+        browser is left or when should_stop() says so."""
+        if self._running.wait(0.25):
+            return False
+        if (should_stop is not None and should_stop()) or not self.server.get_clients():
+            self._set_running(True)
+            return False
+        return True
 
     def close(self) -> None:
         self._closed = True

@@ -47,6 +47,10 @@ class Strategy:
         """A regulariser added to the training loss, or None."""
         return None
 
+    def for_owners(self, world: int) -> None:
+        """Under `world` ranks this strategy sees one owner's Gaussians and their statistics
+        (densification stays with the owner); a strategy with model-wide limits splits them here."""
+
     def graph_safe_at(self, step: int) -> bool:
         """True when a CUDA graph captured at another graph-safe step can stand for this step's
         strategy calls (dev.cuda_graphs); a strategy that does not say so always runs eagerly."""

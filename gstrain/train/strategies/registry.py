@@ -8,6 +8,6 @@ from __future__ import annotations
 
 REGISTRY: dict[str, str] = {
     "default": "default:DefaultStrategy",  # gsplat's DefaultStrategy (clone, split, prune, reset)
-    "mcmc": "mcmc:McmcStrategy",  # gsplat's MCMCStrategy (relocation; CUDA only)
+    "mcmc": "mcmc:McmcStrategy",  # gsplat's MCMCStrategy (relocation; on the CPU through mcmc_cpu.py)
 }
 STRATEGY_NAMES: tuple[str, ...] = tuple(REGISTRY)
