@@ -6,13 +6,13 @@ import torch
 from gstrain.errors import UserError
 from gstrain.train.checkpoint import (
     CheckpointWriter,
-    atomic_torch_save,
     find_checkpoint,
     list_checkpoints,
     load_latest_checkpoint,
     require_checkpoint,
     save_checkpoint,
 )
+from gstrain.train.state_file import atomic_torch_save
 
 
 def test_save_keeps_newest_and_loads_latest(tmp_path):

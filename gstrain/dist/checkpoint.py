@@ -1,8 +1,9 @@
 """Writing sharded checkpoints: every rank its own file, published only when all succeeded.
 
-Each rank writes rank<r>.pt into a temp folder; after a barrier rank 0 writes the manifest and
-renames the folder to ckpt/step_<N>.shards (train/shards.py reads it). A rank that fails to
-write fails the all-reduce that follows, so no rank publishes a checkpoint missing a shard.
+Each rank writes rank<r>.pt (stamped with its rank, the step and the world size) into a temp
+folder; every rank's outcome and its file's size and sha256 are gathered, then rank 0 writes the
+manifest and renames the folder to ckpt/step_<N>.shards (train/shards.py reads and checks it).
+A rank that fails to write fails every rank, so no rank publishes a checkpoint missing a shard.
 """
 
 from __future__ import annotations
@@ -13,18 +14,36 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from gstrain.errors import UserError
-from gstrain.train.checkpoint import atomic_torch_save, list_checkpoints, remove_checkpoints, to_host
-from gstrain.train.shards import MANIFEST, SUFFIX, shard_file
+from gstrain.train.checkpoint import list_checkpoints, remove_checkpoints, to_host
+from gstrain.train.shards import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    SUFFIX,
+    DamagedShard,
+    file_digest,
+    load_shard,
+    read_manifest,
+    shard_file,
+)
+from gstrain.train.state_file import save_state
 
-__all__ = ["save_sharded"]
+__all__ = ["load_own_shard", "save_sharded"]
+
+
+def load_own_shard(folder: Path, rank: int) -> dict[str, Any]:
+    """This rank's shard of the sharded checkpoint `folder`, checked against its manifest; a
+    mismatch is one line naming the file. Reads no other rank's file and needs no collective."""
+    try:
+        return load_shard(folder, rank, read_manifest(folder))
+    except DamagedShard as exc:
+        raise UserError(f"checkpoint {folder} is damaged ({exc})") from None
 
 
 def save_sharded(run_dir: Path, step: int, state: dict[str, Any], rank: int, world: int, rows: list[int],
-                 partition: str, device: torch.device, keep: int = 2) -> Path:  # fmt: skip
+                 partition: str, keep: int = 2) -> Path:  # fmt: skip
     """Collective: every rank calls it with its shard's state. Returns the published folder.
     rows: every rank's row count (the manifest's global order is rank-major)."""
     folder = run_dir / "ckpt" / f"step_{step}{SUFFIX}"
@@ -33,19 +52,23 @@ def save_sharded(run_dir: Path, step: int, state: dict[str, Any], rank: int, wor
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died mid-write
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    ok = torch.ones(1, device=device)
-    error = ""
+    outcome: dict[str, Any]
     try:
-        atomic_torch_save(to_host({**state, "shard": {"rank": rank, "world": world}}), shard_file(tmp, rank))
-    except OSError as exc:
-        ok.zero_()
-        error = str(exc)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every shard on disk, or none published
-    if float(ok) < 1:
+        path = shard_file(tmp, rank)
+        save_state(to_host({**state, "shard": {"rank": rank, "world": world, "step": step}}), path)
+        outcome = {"file": path.name, **file_digest(path)}
+    except (OSError, UserError) as exc:  # write_atomic puts an OSError in one line (a UserError)
+        outcome = {"error": str(exc)}
+    outcomes: list[Any] = [None] * world
+    dist.all_gather_object(outcomes, outcome)  # every shard on disk, or none published
+    failed = [o["error"] for o in outcomes if "error" in o]
+    if failed:
+        mine = outcome.get("error")
         raise UserError(f"could not write a sharded checkpoint under {run_dir / 'ckpt'}"
-                        + (f": {error}" if error else " (another rank failed to write its shard)"))
+                        + (f": {mine}" if mine else f" (another rank failed to write its shard: {failed[0]})"))
     if rank == 0:
-        manifest = {"format": 1, "step": step, "world": world, "partition": partition, "rows": rows}
+        manifest = {"format": MANIFEST_FORMAT, "step": step, "world": world, "partition": partition, "rows": rows,
+                    "shards": outcomes}  # fmt: skip
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if folder.exists():
             shutil.rmtree(folder)

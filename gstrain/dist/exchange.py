@@ -167,7 +167,8 @@ def exchange(
 
 def exchange_objects(objs: list[Any], device: torch.device, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Send objs[r] to rank r (torch.save'd bytes, one uneven all_to_all_single on `device`);
-    returns what every rank sent this one, by source rank. Collective."""
+    returns what every rank sent this one, by source rank. Collective. objs hold plain data
+    (tensors, numbers, strings, lists, dicts): they are read back with the weights-only reader."""
     blobs = []
     for obj in objs:
         buf = io.BytesIO()
@@ -180,6 +181,6 @@ def exchange_objects(objs: list[Any], device: torch.device, group: dist.ProcessG
     received = _all_to_all_rows(payload, [len(b) for b in blobs], got, group).cpu()
     out, at = [], 0
     for n in got:
-        out.append(torch.load(io.BytesIO(received[at : at + n].numpy().tobytes()), weights_only=False))
+        out.append(torch.load(io.BytesIO(received[at : at + n].numpy().tobytes()), weights_only=True))
         at += n
     return out

@@ -74,4 +74,6 @@ def run_local(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
             # the first to fail is the cause; the others usually lost their peer
             text = "".join(f"--- rank {r}:\n{t}" for r, t in bad)
             raise RuntimeError(f"rank {bad[0][0]} of {world} failed first:\n{text}")
+        # any object fn returns (tests hand back dataclasses), so not the weights-only reader: these
+        # files were written moments ago by this call's own workers, in its private (0700) temp folder
         return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from gstrain.config import Config
 from gstrain.data.scene import Scene
-from gstrain.dist.checkpoint import save_sharded
+from gstrain.dist.checkpoint import load_own_shard, save_sharded
 from gstrain.dist.launch import collective_errors
 from gstrain.dist.migrate import move_rows, owners_of, plan_order
 from gstrain.dist.partition import AccessProfile, LoadWindow, access_profile, assign_homes, view_owner_counts
@@ -36,7 +36,7 @@ from gstrain.errors import UserError
 from gstrain.train.checkpoint import load_latest_checkpoint, to_host
 from gstrain.train.context import ShardInfo
 from gstrain.train.run_record import FitResult
-from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows, shard_file
+from gstrain.train.shards import SOURCE_KEY, read_manifest, select_rows
 from gstrain.train.trainer import Agreement, Trainer, _rng_state, _set_rng_state, seed_everything
 
 __all__ = ["DistTrainer"]
@@ -176,10 +176,7 @@ class DistTrainer(Trainer):
         path = Path(state.get(SOURCE_KEY, ""))
         if SOURCE_KEY in state and int(read_manifest(path)["world"]) == self.world:
             # same world size: each rank takes its own shard back (a bit-identical continuation)
-            try:
-                state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
-            except Exception as exc:  # noqa: BLE001 - any unreadable shard: one line, not a traceback
-                raise UserError(f"cannot read {shard_file(path, self.rank)}: {exc}") from None
+            state = load_own_shard(path, self.rank)
             self.load_state_dict(state)
             self.view_counts = state["view_counts"]
             return True
@@ -191,7 +188,7 @@ class DistTrainer(Trainer):
         rows: list[Any] = [None] * self.world
         dist.all_gather_object(rows, len(self.params["means"]))
         return save_sharded(self.run_dir, self.step, self.state_dict(), self.rank, self.world, rows,
-                            self.cfg.dist.partition, self.device, keep=self.cfg.log.keep_ckpts)  # fmt: skip
+                            self.cfg.dist.partition, keep=self.cfg.log.keep_ckpts)  # fmt: skip
 
     @contextmanager
     def _whole_model(self):

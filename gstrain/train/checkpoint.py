@@ -1,7 +1,9 @@
 """Full training state on disk: written atomically, found again for --resume.
 
 A checkpoint that cannot be read is never skipped in silence: loading names it and refuses,
-unless the caller allows the older one, which is then named too.
+unless the caller allows the older one, which is then named too. A checkpoint holds only plain
+data and is read without unpickling objects (train/state_file.py): one that asks for more is
+refused like a damaged one.
 """
 
 from __future__ import annotations
@@ -16,17 +18,12 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
-from gstrain.files import write_atomic
-from gstrain.train.shards import gather_shards
+from gstrain.train.shards import DamagedShard, gather_shards
+from gstrain.train.state_file import UnsafeStateFile, load_state, save_state
 
 # step_<N>.pt, or the folder step_<N>.shards of a distributed run (train/shards.py)
 _CKPT_RE = re.compile(r"^step_(\d+)\.(pt|shards)$")
 DAMAGED_SUFFIX = ".damaged"
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: a crash never leaves half a file."""
-    write_atomic(path, lambda fh: torch.save(obj, fh))
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -49,7 +46,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
     """Save state as ckpt/step_<step>.pt and prune older ones beyond `keep` (0 keeps all)."""
     path = checkpoint_path(run_dir, step)
-    atomic_torch_save(state, path)
+    save_state(state, path)
     if keep > 0:
         remove_checkpoints(list_checkpoints(run_dir)[:-keep])
     return path
@@ -147,7 +144,9 @@ def _read(path: Path, map_location: str | torch.device) -> tuple[dict[str, Any] 
         if path.is_dir():  # a distributed run's shards, gathered into the whole model
             state = gather_shards(path, map_location)
         else:
-            state = torch.load(path, map_location=map_location, weights_only=False)
+            state = load_state(path, map_location)
+    except (UnsafeStateFile, DamagedShard, UserError) as exc:  # gstrain's own one-line reasons, whole
+        return None, str(exc)
     except Exception as exc:  # noqa: BLE001 - truncated, garbage, or from an incompatible torch
         return None, " ".join(str(exc).split())[:120] or type(exc).__name__
     if not isinstance(state, dict) or "step" not in state or "params" not in state:

@@ -72,9 +72,11 @@ def seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every generator's state as plain data (a checkpoint holds no numpy objects: state_file.py)."""
+    numpy_state = np.random.get_state(legacy=False)
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}},
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -84,7 +86,11 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):  # else the tuple of numpy.random.get_state() (older checkpoints)
+        key = np.asarray(numpy_state["state"]["key"], dtype=np.uint32)
+        numpy_state = {**numpy_state, "state": {**numpy_state["state"], "key": key}}
+    np.random.set_state(numpy_state)
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,15 +1,21 @@
 """Sharded checkpoints (written by distributed runs, gstrain/dist/checkpoint.py), read back whole.
 
 A sharded checkpoint is a folder ckpt/step_<N>.shards/ with manifest.json (step, world, partition,
-rows per rank) and rank<r>.pt, each rank's own trainer state: its rows of the Gaussians, of Adam's
-moments and of the strategy's statistics, plus the state every rank shares (step, sampler,
-scheduler) and its own random state. The global row order is rank-major: rank 0's rows, then
-rank 1's, and so on. `gather_shards` rebuilds the single-process checkpoint of that order, so
-eval, export, render and a resume at another world size read a sharded run like any other.
+rows per rank, every shard's size and sha256) and rank<r>.pt, each rank's own trainer state: its
+rows of the Gaussians, of Adam's moments and of the strategy's statistics, plus the state every
+rank shares (step, sampler, scheduler) and its own random state. The global row order is
+rank-major: rank 0's rows, then rank 1's, and so on. `gather_shards` rebuilds the single-process
+checkpoint of that order, so eval, export, render and a resume at another world size read a
+sharded run like any other.
+
+Each shard also says which rank, step and world size it belongs to. A shard that is not the one
+the manifest lists (copied from another step, another rank's file, changed since) is refused by
+name, like any damaged checkpoint, before any rank trains on it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,18 +23,36 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
+from gstrain.train.state_file import UnsafeStateFile, load_state
 
 MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 2  # 2: the manifest lists every shard's bytes and sha256 (1 did not)
 SOURCE_KEY = "sharded_from"
 SUFFIX = ".shards"
 
 __all__ = [
-    "MANIFEST", "SOURCE_KEY", "SUFFIX", "gather_shards", "merge_shards", "read_manifest", "select_rows", "shard_file",
+    "MANIFEST", "MANIFEST_FORMAT", "SOURCE_KEY", "SUFFIX", "DamagedShard", "file_digest", "gather_shards",
+    "load_shard", "merge_shards", "read_manifest", "select_rows", "shard_file",
 ]  # fmt: skip
+
+
+class DamagedShard(ValueError):
+    """A shard that is unreadable or not the one its manifest lists; the message names its file."""
 
 
 def shard_file(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.pt"
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """{"bytes", "sha256"} of a file, as the manifest lists each shard."""
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha.hexdigest()}
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -36,7 +60,49 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"sharded checkpoint {folder}: cannot read {MANIFEST}: {exc}") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("step"), int)
+            and isinstance(manifest.get("world"), int) and manifest["world"] >= 1):  # fmt: skip
+        raise UserError(f"sharded checkpoint {folder}: {MANIFEST} does not give the step and world size")
+    named = folder.name.removeprefix("step_").removesuffix(SUFFIX)
+    if named.isdigit() and int(named) != manifest["step"]:
+        raise UserError(f"sharded checkpoint {folder}: {MANIFEST} is from step {manifest['step']}, not {named}")
     return manifest
+
+
+def load_shard(folder: Path, rank: int, manifest: dict[str, Any], map_location: str | torch.device = "cpu",
+               ) -> dict[str, Any]:  # fmt: skip
+    """Rank `rank`'s trainer state from `folder`, refused (DamagedShard) unless it is the shard the
+    manifest lists: that rank's, of that step and world size, with that size and sha256."""
+    path = shard_file(folder, rank)
+    name, step, world = path.name, manifest["step"], manifest["world"]
+    try:
+        state = load_state(path, map_location)
+    except UnsafeStateFile as exc:
+        raise DamagedShard(f"{name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - missing, truncated, garbage: named in one line
+        raise DamagedShard(f"{name} cannot be read: {' '.join(str(exc).split())[:120]}") from None
+    meta = state.get("shard") if isinstance(state, dict) else None
+    if not isinstance(meta, dict) or not isinstance(state.get("step"), int) or "params" not in state:
+        raise DamagedShard(f"{name} is not a shard of a gstrain checkpoint")
+    if meta.get("rank") != rank:
+        raise DamagedShard(f"{name} holds rank {meta.get('rank')}'s shard, not rank {rank}'s")
+    if meta.get("world") != world:
+        raise DamagedShard(f"{name} is from a run of {meta.get('world')} ranks, not {world}")
+    if state["step"] != step:
+        raise DamagedShard(f"{name} is from step {state['step']}, not {step}")
+    rows = manifest.get("rows")
+    if isinstance(rows, list) and len(rows) == world and len(state["params"]["means"]) != rows[rank]:
+        raise DamagedShard(f"{name} holds {len(state['params']['means'])} Gaussians, the manifest {rows[rank]}")
+    listed = manifest.get("shards")  # absent in format 1
+    if listed is not None:
+        if not (isinstance(listed, list) and len(listed) == world):
+            raise DamagedShard(f"{MANIFEST} lists {len(listed) if isinstance(listed, list) else 'no'} shards, "
+                               f"not {world}")  # fmt: skip
+        entry = listed[rank] if isinstance(listed[rank], dict) else {}
+        if file_digest(path) != {"bytes": entry.get("bytes"), "sha256": entry.get("sha256")}:
+            raise DamagedShard(f"{name} is not the file {MANIFEST} lists: its size or sha256 differs, so it "
+                               "was changed since it was written or copied from another checkpoint")
+    return state
 
 
 def _cat_rows(parts: list[Any], rows: list[int]) -> Any:
@@ -61,8 +127,7 @@ def _gather_optimizer(states: list[dict[str, Any]], rows: list[int]) -> dict[str
 def gather_shards(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """The whole-model checkpoint (the single-process trainer's format) of a sharded one."""
     manifest = read_manifest(folder)
-    world = int(manifest["world"])
-    shards = [torch.load(shard_file(folder, r), map_location=map_location, weights_only=False) for r in range(world)]
+    shards = [load_shard(folder, r, manifest, map_location) for r in range(manifest["world"])]
     # where it came from: a resume at the same world size takes each rank's own file instead
     return {**merge_shards(shards), SOURCE_KEY: str(folder)}
 
