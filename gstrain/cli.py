@@ -143,9 +143,12 @@ def eval_(
     metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint)
     lp = metrics.get("lpips")
     lp_text = f"{lp:.4f}" if lp is not None else f"n/a ({metrics.get('lpips_note', 'unavailable')})"
+    half = metrics["fitted_half"]
+    half_psnr = f"{half['psnr']:.2f} dB" if half["psnr"] is not None else "inf"
     print(
-        f"test views {metrics['num_views']}: PSNR {metrics['psnr']:.2f} dB, SSIM {metrics['ssim']:.4f}, "
-        f"LPIPS {lp_text}{_masked_text(metrics)}  -> {run / 'metrics.json'}"
+        f"test views {metrics['num_views']} (raw render, no per-image correction): PSNR {metrics['psnr']:.2f} dB, "
+        f"SSIM {metrics['ssim']:.4f}, LPIPS {lp_text}{_masked_text(metrics)}; colour fitted on the left half, "
+        f"right half scored: PSNR {half_psnr}, SSIM {half['ssim']:.4f}  -> {run / 'metrics.json'}"
     )
 
 

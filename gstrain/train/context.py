@@ -31,7 +31,7 @@ class TrainViews:
 
     def step_view(self, idx: int) -> StepView:
         viewmat, K = self.cams[idx]
-        return StepView(viewmat, K, self.target(idx), self.masks[idx])
+        return StepView(viewmat, K, self.target(idx), self.masks[idx], index=idx)
 
 
 @dataclass
@@ -70,3 +70,8 @@ class StepContext:
     @property
     def renderer(self) -> Any:
         return self.runner.renderer
+
+    @property
+    def corrections(self) -> list[Any]:
+        """The per-view corrections every engine's step applies (step.ViewCorrection; the runner's)."""
+        return self.runner.corrections
