@@ -230,3 +230,59 @@ def test_render_says_its_images_are_raw(demo_scene, tmp_path):
     proc = run_cli("render", run, "--path", "test", "--device", "cpu", "--out", tmp_path / "frames")
     assert proc.returncode == 0, proc.stderr
     assert "renders are raw" in proc.stderr and "train.appearance=affine" in proc.stderr
+
+
+# ----------------------------------------------------------------- sharded: replicated tables
+SHARDED = {"train": {"steps": 12, "seed": 5, "batch_size": 2, "appearance": "affine", "appearance_lr": 0.02},
+           "model": {"init": "random", "init_points": 400, "sh_degree": 1},
+           "optim": {"eps": 1e-7},  # see tests/test_dist_trainer.py: comparisons about gradients, not rounding
+           "strategy": {"refine_start": 1000, "refine_stop": 2000},
+           "log": {"progress_every": 3, "tb_every": 100_000, "eval_steps": [], "save_steps": [], "ckpt_every": 0}}
+
+
+def _sharded_cfg(stop_at: int = 0) -> object:
+    over = {k: dict(v) for k, v in SHARDED.items()}
+    over["train"]["device"] = "cpu"
+    over["train"]["stop_at"] = stop_at
+    return build_config(None, [over])
+
+
+def _sharded_fit(rank: int, world: int, scene: str, root: str) -> dict:
+    from gstrain.dist.trainer import DistTrainer
+
+    out = {}
+    for name, stop_at, resume in (("whole", 0, False), ("paused", 6, False), ("paused", 0, True)):
+        cfg = _sharded_cfg(stop_at)
+        data = load_scene(Path(scene), factor=1, test_every=cfg.data.test_every)
+        trainer = DistTrainer(cfg, data, Path(root) / name, torch.device("cpu"), log=lambda m: None)
+        trainer.fit(resume=resume)
+        out[name] = {"table": trainer.ctx.corrections[0].table.detach().clone(), "order": trainer.row_order,
+                     "params": {k: v.detach().clone() for k, v in trainer.params.items()}}
+    return out
+
+
+def test_two_ranks_hold_one_table_equal_to_one_process_and_resume_it(demo_scene, tmp_path):
+    from gstrain.dist.local import run_local
+
+    cfg = _sharded_cfg()
+    data = load_scene(demo_scene, factor=1, test_every=cfg.data.test_every)
+    (tmp_path / "plain").mkdir()
+    plain = Trainer(cfg, data, tmp_path / "plain", torch.device("cpu"), log=lambda m: None)
+    assert plain.fit().status == "done"
+    expected = plain.ctx.corrections[0].table.detach()
+    assert not torch.equal(expected, identity_table(len(expected)))
+
+    for name in ("whole", "paused"):
+        (tmp_path / name).mkdir()
+    ranks = run_local(_sharded_fit, 2, str(demo_scene), str(tmp_path), timeout=300)
+    for result in ranks:
+        # every rank holds the whole table, and the same one (the gradients are summed over ranks)
+        assert torch.equal(result["whole"]["table"], ranks[0]["whole"]["table"])
+        # paused at step 6, resumed at two ranks: the uninterrupted run's table bit for bit
+        assert torch.equal(result["paused"]["table"], result["whole"]["table"])
+    # the global batch's mean loss, as one process takes it: the same table up to summation order
+    torch.testing.assert_close(ranks[0]["whole"]["table"], expected, rtol=1e-4, atol=2e-5)
+    got = {k: torch.cat([r["whole"]["params"][k] for r in ranks]) for k in ranks[0]["whole"]["params"]}
+    order = ranks[0]["whole"]["order"]
+    for k, v in plain.params.items():
+        torch.testing.assert_close(got[k], v.detach()[order], rtol=1e-4, atol=2e-5, msg=k)
