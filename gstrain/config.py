@@ -418,7 +418,7 @@ def merge_config(
 
 
 # What a run is built on: changing one of these on --resume would not fit its checkpoint or its views.
-RUN_FIXED_KEYS = ("data.factor", "data.test_every", "model.sh_degree", "strategy.name")
+RUN_FIXED_KEYS = ("data.factor", "data.test_every", "model.sh_degree", "strategy.name", "train.appearance")
 
 
 def changed_fixed_keys(old: Config, new: Config) -> list[str]:

@@ -286,3 +286,17 @@ def test_two_ranks_hold_one_table_equal_to_one_process_and_resume_it(demo_scene,
     order = ranks[0]["whole"]["order"]
     for k, v in plain.params.items():
         torch.testing.assert_close(got[k], v.detach()[order], rtol=1e-4, atol=2e-5, msg=k)
+
+
+def test_resume_cannot_switch_appearance_and_writes_nothing(demo_scene, tmp_path):
+    from cli_util import assert_one_error, call_cli
+
+    run = tmp_path / "run"
+    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "2", "--device", "cpu",
+                         "--set", "log.eval_steps=[]")  # fmt: skip
+    assert code == 0, err
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", "--resume",
+                         "--set", "train.appearance=affine")  # fmt: skip
+    assert_one_error(code, err, "--resume cannot change train.appearance: none -> affine")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
