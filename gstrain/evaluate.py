@@ -19,7 +19,7 @@ import torch
 
 from gstrain.errors import UserError
 from gstrain.metrics import Metrics, metric_target
-from gstrain.train.appearance import FITTED_HALF_PROTOCOL, RAW_PROTOCOL, fitted_half
+from gstrain.train.appearance import FITTED_HALF_PROTOCOL, RAW_PROTOCOL, fitted_half, scores_right_half
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -48,6 +48,7 @@ def evaluate_run(
     # LPIPS weights are fetched on first use unless GSTRAIN_OFFLINE=1 (the test suite sets it)
     metrics = Metrics(dev, lpips_download=os.environ.get("GSTRAIN_OFFLINE", "") != "1")
     fitted = Metrics(dev, lpips_download=False)  # the weights, if any, are there by now
+    fitted_names: list[str] = []
     with torch.no_grad():
         for view in scene.test:
             image, _, _ = renderer(
@@ -57,7 +58,9 @@ def evaluate_run(
             # masks: kept pixels only (ignore) or against the composited target (background)
             gt, keep = metric_target(view.image.to(dev).float() / 255.0, view.mask, run.cfg.data.mask_mode, background)
             metrics.add(image, gt, keep)
-            fitted.add(*fitted_half(image, gt, keep))
+            if scores_right_half(keep):  # (a mask may keep nothing of the right half)
+                fitted.add(*fitted_half(image, gt, keep))
+                fitted_names.append(view.name)
             png = (image * 255.0 + 0.5).to(torch.uint8).cpu().numpy()
             iio.imwrite(out_dir / f"{Path(view.name).stem}.png", png)
     summary, half = metrics.summary(), fitted.summary()
@@ -75,8 +78,8 @@ def evaluate_run(
             "protocol": FITTED_HALF_PROTOCOL,
             "psnr": _finite_or_none(half["psnr"]), "ssim": half["ssim"], "lpips": half["lpips"],
             "per_image": [
-                {"name": v.name, **{k: _finite_or_none(x) for k, x in row.items()}}
-                for v, row in zip(scene.test, half["per_image"], strict=True)
+                {"name": name, **{k: _finite_or_none(x) for k, x in row.items()}}
+                for name, row in zip(fitted_names, half["per_image"], strict=True)
             ],
         },
         # masks: how many test views were scored on their kept pixels only (data.mask_mode=ignore)

@@ -300,3 +300,14 @@ def test_resume_cannot_switch_appearance_and_writes_nothing(demo_scene, tmp_path
                          "--set", "train.appearance=affine")  # fmt: skip
     assert_one_error(code, err, "--resume cannot change train.appearance: none -> affine")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_view_whose_right_half_is_masked_out_is_not_scored_by_fitted_half():
+    from gstrain.train.appearance import scores_right_half
+
+    keep = torch.ones(4, 6, dtype=torch.bool)
+    assert scores_right_half(None) and scores_right_half(keep)
+    keep[:, 3:] = False
+    assert not scores_right_half(keep)
+    keep[0, 5] = True
+    assert scores_right_half(keep)

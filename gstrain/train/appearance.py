@@ -141,9 +141,15 @@ def fit_affine(render: Tensor, target: Tensor, keep: Tensor | None = None, ridge
 
 def fitted_half(render: Tensor, target: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The fitted_half protocol on one test view ([H, W, 3] each; keep [H, W] bool or None):
-    (corrected right half of the render, right half of the target, right half of keep)."""
+    (corrected right half of the render, right half of the target, right half of keep). A view
+    whose right half keeps no pixel has nothing to score there: see scores_right_half."""
     half = render.shape[1] // 2
     left_keep = keep[:, :half] if keep is not None else None
     transform = fit_affine(render[:, :half], target[:, :half], left_keep)
     right_keep = keep[:, half:] if keep is not None else None
     return apply_affine(render[:, half:], transform), target[:, half:], right_keep
+
+
+def scores_right_half(keep: Tensor | None) -> bool:
+    """Whether the fitted_half protocol scores the view: its mask keeps a pixel of the right half."""
+    return keep is None or bool(keep[:, keep.shape[1] // 2 :].any())

@@ -12,7 +12,7 @@ import torch
 from gstrain.data.scene import View
 from gstrain.metrics import Metrics, metric_target
 from gstrain.render.sh import sh_degree_at
-from gstrain.train.appearance import fitted_half
+from gstrain.train.appearance import fitted_half, scores_right_half
 from gstrain.train.optim import current_lrs
 
 
@@ -25,6 +25,10 @@ def memory_text(device: torch.device) -> str:
         return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}G"
     except Exception:  # noqa: BLE001 - memory display is best effort
         return "?"
+
+
+def _db(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "n/a"
 
 
 class RunReporting:
@@ -69,7 +73,7 @@ class RunReporting:
             else:
                 self._log_test(step, metrics)
                 bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f} (raw render); "
-                          f"fitted on the left half, right half scored: PSNR {metrics['psnr_fitted_half']:.2f}")
+                          f"fitted on the left half, right half scored: PSNR {_db(metrics['psnr_fitted_half'])}")
         return metrics
 
     def watch(self, viewer: Any, refresh_every: int) -> None:
@@ -132,7 +136,8 @@ class RunReporting:
                                      self.cfg.data.mask_mode, self.background)  # fmt: skip
             image = self.render_view(view)
             metrics.add(image, gt, keep)
-            fitted.add(*fitted_half(image, gt, keep))
+            if scores_right_half(keep):
+                fitted.add(*fitted_half(image, gt, keep))
         summary, half = metrics.summary(), fitted.summary()
         per_view = {v.name: round(r["psnr"], 3) for v, r in zip(views, summary["per_image"], strict=True)}
         return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view,
@@ -188,7 +193,8 @@ class RunReporting:
     def _log_test(self, step: int, metrics: dict[str, float]) -> None:
         self._tb().add_scalar("test/psnr", metrics["psnr"], step)
         self._tb().add_scalar("test/ssim", metrics["ssim"], step)
-        self._tb().add_scalar("test/psnr_fitted_half", metrics["psnr_fitted_half"], step)
+        if metrics["psnr_fitted_half"] is not None:
+            self._tb().add_scalar("test/psnr_fitted_half", metrics["psnr_fitted_half"], step)
         for view in self.scene.test[:2]:
             image = self.render_view(view)
             self._tb().add_image(f"test/{view.name}", image.permute(2, 0, 1).cpu(), step)
