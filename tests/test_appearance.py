@@ -231,6 +231,26 @@ def test_render_says_its_images_are_raw(demo_scene, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "renders are raw" in proc.stderr and "train.appearance=affine" in proc.stderr
 
+    # gstrain view says so too, once it serves (then this test stops the process it started)
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    view = subprocess.Popen([sys.executable, "-m", "gstrain", "view", str(run), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = ""
+        while "serving" not in line:
+            line = view.stderr.readline()
+            assert line, view.communicate()  # it ended before serving
+    finally:
+        view.terminate()
+        view.communicate(timeout=30)
+    assert "renders are raw" in line and "train.appearance=affine" in line, line
+
 
 # ----------------------------------------------------------------- sharded: replicated tables
 SHARDED = {"train": {"steps": 12, "seed": 5, "batch_size": 2, "appearance": "affine", "appearance_lr": 0.02},
