@@ -143,9 +143,13 @@ def eval_(
     metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint)
     lp = metrics.get("lpips")
     lp_text = f"{lp:.4f}" if lp is not None else f"n/a ({metrics.get('lpips_note', 'unavailable')})"
+    half = metrics["fitted_half"]  # None: a perfect half, or no view kept a pixel of its right half
+    half_psnr = f"{half['psnr']:.2f} dB" if half["psnr"] is not None else "n/a"
+    half_ssim = f"{half['ssim']:.4f}" if half["ssim"] is not None else "n/a"
     print(
-        f"test views {metrics['num_views']}: PSNR {metrics['psnr']:.2f} dB, SSIM {metrics['ssim']:.4f}, "
-        f"LPIPS {lp_text}{_masked_text(metrics)}  -> {run / 'metrics.json'}"
+        f"test views {metrics['num_views']} (raw render, no per-image correction): PSNR {metrics['psnr']:.2f} dB, "
+        f"SSIM {metrics['ssim']:.4f}, LPIPS {lp_text}{_masked_text(metrics)}; colour fitted on the left half, "
+        f"right half scored: PSNR {half_psnr}, SSIM {half_ssim}  -> {run / 'metrics.json'}"
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from gstrain.choices import (
+    APPEARANCE_MODES,
     ATOMIC_MODES,
     BACKENDS,
     COMPRESSIONS,
@@ -87,6 +88,13 @@ class TrainConfig:
     # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
     # torchrun it is the GLOBAL batch: each view is rendered by its home rank
     batch_size: int = 1
+    # a per-image colour correction learned with the scene (gstrain/train/appearance.py): none, or
+    # affine (a 3x4 colour matrix and bias per training image, from identity) applied to the render
+    # before the loss; test views have none, so eval reports the raw render and a fitted-on-half score
+    appearance: str = "none"
+    appearance_lr: float = 1e-3  # Adam's rate for the corrections
+    appearance_decay: float = 0.0  # per step, pulls each correction toward identity by lr * decay
+    appearance_start: int = 0  # the corrections stay identity (not learned) before this step
 
 
 @dataclass
@@ -290,6 +298,10 @@ def validate(cfg: Config) -> Config:
     choice(cfg.model.init, INIT_MODES, "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     choice(cfg.data.images_on, IMAGES_ON, "data.images_on")
+    choice(cfg.train.appearance, APPEARANCE_MODES, "train.appearance")
+    if cfg.train.appearance_lr <= 0 or cfg.train.appearance_decay < 0 or cfg.train.appearance_start < 0:
+        raise UserError("train.appearance_lr must be > 0, train.appearance_decay and train.appearance_start >= 0; "
+                        f"got {cfg.train.appearance_lr}, {cfg.train.appearance_decay}, {cfg.train.appearance_start}")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
     choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")
@@ -418,7 +430,8 @@ def merge_config(
 
 
 # What a run is built on: changing one of these on --resume would not fit its checkpoint or its views.
-RUN_FIXED_KEYS = ("data.factor", "data.max_side", "data.test_every", "model.sh_degree", "strategy.name")
+RUN_FIXED_KEYS = ("data.factor", "data.max_side", "data.test_every", "model.sh_degree", "strategy.name",
+                  "train.appearance")
 
 
 def changed_fixed_keys(old: Config, new: Config) -> list[str]:

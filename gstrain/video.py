@@ -20,6 +20,7 @@ from gstrain.choices import CAMERA_PATHS, RENDER_OUTPUTS
 from gstrain.errors import UserError
 from gstrain.files import create_beside
 from gstrain.frames import check_output, start_frames
+from gstrain.train.appearance import render_protocol
 
 if TYPE_CHECKING:
     from gstrain.render import Renderer
@@ -131,6 +132,7 @@ def render_run(
     opened = open_run(run, device, allow_older=allow_older, log=log)
     scene, cfg = opened.scene, opened.cfg
     log(f"gstrain: loaded scene {opened.scene_path} (factor {cfg.data.factor}) for its cameras")
+    log(f"gstrain: {render_protocol(cfg)}")
     if path == "test":
         views = scene.test
         if not views:

@@ -37,7 +37,7 @@ class TrainViews:
 
     def step_view(self, idx: int) -> StepView:
         viewmat, K = self.cams[idx]
-        return StepView(viewmat, K, self.target(idx), self.masks[idx])
+        return StepView(viewmat, K, self.target(idx), self.masks[idx], index=idx)
 
     def draw(self, sampler: Any, count: int = 1) -> list[int]:
         """The next `count` view indices from the sampler. A store fetches their images (kept for
@@ -97,3 +97,8 @@ class StepContext:
     @property
     def renderer(self) -> Any:
         return self.runner.renderer
+
+    @property
+    def corrections(self) -> list[Any]:
+        """The per-view corrections every engine's step applies (step.ViewCorrection; the runner's)."""
+        return self.runner.corrections

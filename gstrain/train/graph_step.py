@@ -404,8 +404,9 @@ class GraphEngine:
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
     """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
-    single-view steps."""
+    single-view steps, no per-view correction (its Adam and view index are not graph-safe)."""
     return (
         bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
         and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
+        and not getattr(runner, "corrections", None)
     )  # fmt: skip

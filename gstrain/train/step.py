@@ -15,7 +15,7 @@ same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -56,6 +56,26 @@ class StepView:
     gt: Tensor
     mask: ViewMask | None = None
     valid: Tensor | None = None
+    index: int | None = None  # the training view's index: per-view corrections read it (None: not a training view)
+
+
+class ViewCorrection(Protocol):
+    """A per-view correction learned with the scene (StepRunner.corrections; appearance.py's
+    per-image colour transform): it changes what the loss sees of a training view's render and
+    steps its own parameters after the Gaussians'. Every engine goes through view_loss and
+    finish, so each gets it from this one place."""
+
+    name: str  # its key in a checkpoint's "corrections"
+
+    def image(self, image: Tensor, view: StepView) -> Tensor:
+        """The render [H, W, 3] as the loss compares it with view.gt."""
+
+    def after_step(self, step: int) -> None:
+        """After the backward of step `step`: step its own parameters (and clear their gradients)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 BatchView = StepView  # the name bench scripts know
@@ -103,6 +123,8 @@ class StepRunner:
         self.sparse_adam = bool(cfg.optim.sparse_adam) and self.fused_adam is not None
         # (scalars, skip flag) while a CUDA graph of the step is captured (train/graph_step.py)
         self.graph_adam: tuple[Tensor, Tensor] | None = None
+        # per-view corrections (ViewCorrection): applied in view_loss, stepped in finish
+        self.corrections: list[ViewCorrection] = []
 
     def run(
         self,
@@ -144,7 +166,10 @@ class StepRunner:
 
     def view_loss(self, image: Tensor, view: StepView, background: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """One view's photometric loss and its terms: on a canvas the fused loss over the valid
-        part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py)."""
+        part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py).
+        The per-view corrections apply first: the loss sees the corrected render."""
+        for correction in self.corrections:
+            image = correction.image(image, view)
         if view.valid is not None:
             from gstrain.train.fused_ssim import fused_photometric_loss
 
@@ -164,6 +189,8 @@ class StepRunner:
             self.optimizer_step(optimizers, info)
             if scheduler is not None:
                 scheduler.step()
+            for correction in self.corrections:
+                correction.after_step(step)
         with timer.phase("densify"):
             means_lr = optimizers["means"].param_groups[0]["lr"]
             changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)

@@ -29,6 +29,7 @@ from gstrain.errors import UserError
 from gstrain.metrics import psnr
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
+from gstrain.train.appearance import build_corrections
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
@@ -113,6 +114,7 @@ class Trainer(RunReporting):
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
+        self.runner.corrections.extend(build_corrections(cfg, len(scene.train), device))  # train.appearance
         self.ctx = StepContext(
             cfg=cfg, device=device, params=params, optimizers=optimizers,
             scheduler=build_means_scheduler(optimizers["means"], cfg.optim, cfg.train.steps),
@@ -120,7 +122,11 @@ class Trainer(RunReporting):
             sh_degree=self.active_sh_degree, timer=self.timer, background=self.background,
             shard=self._shard(), batch_size=cfg.train.batch_size,
         )  # fmt: skip
-        self.engine: StepEngine = build_engine(choose_engine(self.ctx), self.ctx)
+        engine = choose_engine(self.ctx)
+        if self.ctx.corrections and engine != "graph" and cfg.dev.cuda_graphs and device.type == "cuda":
+            log(f"gstrain: note: train.appearance runs the {engine} step engine "
+                "(no CUDA graphs with a per-view correction)")
+        self.engine: StepEngine = build_engine(engine, self.ctx)
         self._viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
         self.watch_every = 0  # fit --viewer under several ranks: steps between the whole-model refreshes
         self.record = RunRecord()  # what this process reports in train_summary.json
@@ -198,7 +204,22 @@ class Trainer(RunReporting):
             "sampler": self.sampler.state_dict(),
             "rng": _rng_state(),
             "config": self.cfg.to_dict(),
+            **self._corrections_state(),
         }
+
+    def _corrections_state(self) -> dict[str, Any]:
+        """The per-view corrections' state under "corrections" (none: no key, the plain checkpoint)."""
+        if not self.ctx.corrections:
+            return {}
+        return {"corrections": {c.name: c.state_dict() for c in self.ctx.corrections}}
+
+    def _load_corrections(self, state: dict[str, Any]) -> None:
+        saved = state.get("corrections", {})
+        for correction in self.ctx.corrections:
+            if correction.name not in saved:
+                raise UserError(f"the checkpoint at step {state['step']} has no {correction.name} corrections; "
+                                "resume with the config it was trained with")
+            correction.load_state_dict(saved[correction.name])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params = torch.nn.ParameterDict(
@@ -213,6 +234,7 @@ class Trainer(RunReporting):
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self._load_corrections(state)
         self.engine.state_replaced()
 
     def resume(self) -> bool:

@@ -55,6 +55,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def serve_run(run: Path, host: str = "127.0.0.1", port: int = 8080, log=print) -> None:
     """Serve the run's page and block until Ctrl-C (then stop the server and return)."""
     from gstrain.render import resolve_device
+    from gstrain.train.appearance import render_protocol
     from gstrain.viewer.page import ViewerPage, config_summary
     from gstrain.viewer.run_info import load_run_info
 
@@ -67,9 +68,10 @@ def serve_run(run: Path, host: str = "127.0.0.1", port: int = 8080, log=print) -
         page.set_splats(info.params)
         psnr = f"{info.test_psnr:.2f} dB" if info.test_psnr is not None else "n/a (no test evaluation)"
         lines = [f"**{run.name}**", config_summary(info.cfg), f"step {info.step}",
-                 f"{len(info.params['means'])} Gaussians", f"test PSNR {psnr}"]
+                 f"{len(info.params['means'])} Gaussians", f"test PSNR {psnr} (raw render)",
+                 render_protocol(info.cfg)]
         page.set_info(lines + ([info.note] if info.note else []))
-        log(f"gstrain: serving {run} at http://{host}:{port} (Ctrl-C to stop)")
+        log(f"gstrain: serving {run} at http://{host}:{port} (Ctrl-C to stop); {render_protocol(info.cfg)}")
         for sig in (signal.SIGINT, signal.SIGTERM):  # a plain `kill` stops it as cleanly as Ctrl-C
             signal.signal(sig, _interrupt)
         while True:
