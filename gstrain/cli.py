@@ -167,19 +167,18 @@ def export(
     )] = None,
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace an existing --out file (never a run's checkpoints or records)."
+        "--force", help="Replace an existing --out file that gstrain wrote (never a run's checkpoints or records)."
     )] = False,
     allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
     """Export the latest checkpoint's Gaussians for viewers (3DGS PLY, .splat, compressed PLY)."""
-    from gstrain.files import check_new_or_forced
-    from gstrain.formats import default_export_name, export_format, export_gaussians
+    from gstrain.formats import check_export_target, default_export_name, export_format, export_gaussians
     from gstrain.run_dir import check_not_run_record, open_run
 
     fmt = export_format(out, format)
     if out is not None:  # before any work: a user's file, a link, a run's own records are never replaced
         check_not_run_record(out)
-        check_new_or_forced(out, force, ours=run / "point_cloud")
+        check_export_target(out, fmt, force, ours=run / "point_cloud")
     opened = open_run(run, allow_older=allow_older_checkpoint, log=_log, load_views=False, renderer=False)
     path = out or run / "point_cloud" / f"iteration_{opened.step}" / default_export_name(fmt)
     count = export_gaussians(opened.params, path, fmt)
@@ -294,7 +293,7 @@ def render(
     frames: Annotated[int, typer.Option(help="Frames along an orbit or spiral.")] = 120,
     device: DeviceOpt = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace the frames of an earlier render in --out (only those), or an existing FILE.mp4."
+        "--force", help="Replace the frames of an earlier render in --out (only those), or a FILE.mp4 gstrain wrote."
     )] = False,
     allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:

@@ -18,7 +18,7 @@ import torch
 from gstrain.camera_paths import Camera, camera_path, parse_size, scale_camera
 from gstrain.choices import CAMERA_PATHS, RENDER_OUTPUTS
 from gstrain.errors import UserError
-from gstrain.files import create_beside
+from gstrain.files import VIDEO_MARK, create_beside
 from gstrain.frames import check_output, start_frames
 from gstrain.train.appearance import render_protocol
 
@@ -109,7 +109,8 @@ def render_run(
 
     out defaults to <run>/renders/<path>_<what>.mp4. PNG frames go into a new or empty folder,
     or with `force` into one holding an earlier render's frames (only those are removed); an
-    existing FILE.mp4 outside <run>/renders/ is replaced only with `force`. UserError for bad input.
+    existing FILE.mp4 outside <run>/renders/ is replaced only with `force`, and only if it carries
+    gstrain's mark (files.carries_gstrain_mark). UserError for bad input.
     """
     from gstrain.run_dir import load_run, open_run
 
@@ -230,6 +231,7 @@ def _write_frames(
         writer = imageio.get_writer(
             tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",
             macro_block_size=1, ffmpeg_log_level="error",
+            output_params=["-metadata", f"comment={VIDEO_MARK}"],  # the mark that lets --force replace it
         )  # fmt: skip
         try:
             for cam in bar:
