@@ -40,6 +40,7 @@ from gstrain.dist.view_partition import views_plan
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
 from gstrain.train.checkpoint import list_checkpoints, load_latest_checkpoint, to_host
+from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.masking import masked_loss
 from gstrain.train.optim import current_lrs
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
@@ -96,6 +97,7 @@ class DistTrainer(Trainer):
         self.comm = CommCounter()  # this rank's exchange bytes, folded into the run record every step
         self._records = 0  # records this rank's Gaussians sent since the ranks last agreed
         self.loads: list[float] = [0.0] * self.world  # every rank's, as of the last agreement
+        self.partition_used = cfg.dist.partition  # the last plan's: views may fall back to locality
         with collective_errors(self.rank, cfg.dist.timeout_s):
             for p in self.params.values():  # rank 0 decides the initial model
                 dist.broadcast(p.data, 0)
@@ -126,12 +128,14 @@ class DistTrainer(Trainer):
         """(order, rows per rank) by dist.partition, from every row's mean and load (rank-major)
         and the profile of this process's rows (from `offset`); `collective`: every rank plans."""
         cfg = self.cfg
+        self.partition_used = cfg.dist.partition
         if cfg.dist.partition != "views":
             return plan_order(cfg.dist.partition, means, load, self.world, cfg.train.seed, cfg.dist.count_weight)
         reduce, gather = (self._sum_over_ranks, self._gather_rows) if collective else (lambda t: t, lambda t: t)
         order, rows, kept = views_plan(prof, means, load, offset, self.world, cfg.dist.count_weight,
                                        cfg.dist.max_imbalance, reduce, gather)  # fmt: skip
         if not kept:
+            self.partition_used = "locality"
             self.log(f"gstrain: dist.partition=views would leave a rank over {cfg.dist.max_imbalance}x the mean "
                      "load or Gaussian count, worse than locality; partitioned by locality instead")  # fmt: skip
         return order, rows
@@ -154,7 +158,7 @@ class DistTrainer(Trainer):
         self.row_order = order
         start = sum(rows[: self.rank])
         self.load_state_dict(select_rows(self.state_dict(), order[start : start + rows[self.rank]]))
-        self.log(f"gstrain: {self.world} ranks, dist.partition={self.cfg.dist.partition}: "
+        self.log(f"gstrain: {self.world} ranks, dist.partition={self.partition_used}: "
                  f"Gaussians per rank {rows}")  # fmt: skip
 
     def repartition(self) -> None:
@@ -192,6 +196,7 @@ class DistTrainer(Trainer):
             return False
         path = Path(state.get(SOURCE_KEY, ""))
         if SOURCE_KEY in state and int(read_manifest(path)["world"]) == self.world:
+            self.partition_used = read_manifest(path).get("partition", self.partition_used)
             # same world size: each rank takes its own shard back (a bit-identical continuation)
             try:
                 state = torch.load(shard_file(path, self.rank), map_location="cpu", weights_only=False)
@@ -208,7 +213,7 @@ class DistTrainer(Trainer):
         rows: list[Any] = [None] * self.world
         dist.all_gather_object(rows, len(self.params["means"]))
         return save_sharded(self.run_dir, self.step, self.state_dict(), self.rank, self.world, rows,
-                            self.cfg.dist.partition, self.device, keep=self.cfg.log.keep_ckpts)  # fmt: skip
+                            self.partition_used, self.device, keep=self.cfg.log.keep_ckpts)  # fmt: skip
 
     @contextmanager
     def _whole_model(self):
@@ -339,6 +344,7 @@ class DistTrainer(Trainer):
                     continue
                 loss_value, count, stop, bad = self._agree(loss, signals.requested, saving)
                 self.record.max_gaussians = max(self.record.max_gaussians, count)
+                check_gaussians_left(count, cfg.strategy, step)  # every rank: the same count, no deadlock
                 if bad:
                     status = "nan"
                     break

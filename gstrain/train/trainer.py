@@ -21,6 +21,7 @@ from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
 from gstrain.render.sh import sh_degree_at
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
+from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.graph_step import GraphSteps, graphs_possible
 from gstrain.train.masking import prepare_mask
 from gstrain.train.optim import build_means_scheduler, build_optimizers, current_lrs
@@ -216,6 +217,7 @@ class Trainer:
         self.record.add_pairs(result.pairs)
         if result.changed:  # the count is known on the host: no sync
             self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
+            check_gaussians_left(len(self.params["means"]), self.cfg.strategy, step + 1)
         return result.loss, result.terms, result.image, gt
 
     def train_target(self, gt: torch.Tensor | int) -> torch.Tensor:
