@@ -269,7 +269,10 @@ class DistTrainer(Trainer):
                     t = t.detach() / b if b > 1 else t.detach()
                     terms[k] = terms[k] + t if k in terms else t
         loss = out.zero_term if loss is None else loss
-        self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler)
+        if self.runner.finish(self.params, self.optimizers, step, loss, lambda: out.owner_info, self.scheduler):
+            # refinement steps are the same on every rank, so all join this sum: no deadlock
+            total = self._sum_over_ranks(torch.tensor([len(self.params["means"])]))
+            check_gaussians_left(int(total[0]), cfg.strategy, step + 1)  # before the next step renders nothing
         self._records += out.owner_records
         self.record.add_pairs(out.pairs)  # this rank's views (rank 0 writes the record)
         sent, received = self.comm.total()  # both exchanges of the step, counts known on the host
@@ -344,7 +347,6 @@ class DistTrainer(Trainer):
                     continue
                 loss_value, count, stop, bad = self._agree(loss, signals.requested, saving)
                 self.record.max_gaussians = max(self.record.max_gaussians, count)
-                check_gaussians_left(count, cfg.strategy, step)  # every rank: the same count, no deadlock
                 if bad:
                     status = "nan"
                     break
