@@ -79,11 +79,20 @@ def create_run_dir(run_dir: Path, scene: Path, cfg: Config, lock: RunLock | None
         lock.acquire()
         check_new_run_dir(run_dir)  # again under the lock: a fit that started meanwhile has written it
     save_config(cfg, run_dir / "config.yaml")
+    meta = {"scene": str(scene.resolve()), "created": time.strftime("%Y-%m-%d %H:%M:%S"), "gstrain": __version__}
+    digest = _scene_digest_or_none(scene)
+    if digest is not None:  # fit has loaded the scene by now; only a caller without one has none
+        meta[SCENE_DIGEST] = digest
+    write_text_atomic(run_dir / RUN_FILE, json.dumps(meta, indent=2))
+
+
+def _scene_digest_or_none(scene: Path) -> str | None:
     from gstrain.data.colmap import scene_digest
 
-    meta = {"scene": str(scene.resolve()), SCENE_DIGEST: scene_digest(scene),
-            "created": time.strftime("%Y-%m-%d %H:%M:%S"), "gstrain": __version__}
-    write_text_atomic(run_dir / RUN_FILE, json.dumps(meta, indent=2))
+    try:
+        return scene_digest(scene)
+    except UserError:
+        return None
 
 
 def load_run(run_dir: Path) -> tuple[Config, dict[str, Any]]:
