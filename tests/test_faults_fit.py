@@ -98,10 +98,11 @@ def test_pruning_every_gaussian_stops_and_keeps_the_last_good_checkpoint(demo_sc
 # ------------------------------------------------------------------- 7: a factor that leaves no image
 def test_factor_leaving_tiny_images_is_refused(demo_scene: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--factor", "200", "--device", "cpu"),
+    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--factor", "200", "--steps", "2", *TINY),
                      "factor 200", "64x64", "1x1", "16 px")
     # 64 / 5 rounds to 13 px, under the 16 px floor; 64 / 4 is exactly 16
-    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--factor", "5", "--device", "cpu"), "13x13")
+    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--factor", "5", "--steps", "2", *TINY),
+                     "13x13")
     assert not out.exists()
     from gstrain.data.colmap import load_scene
 
@@ -220,7 +221,8 @@ def test_seed_out_of_range_is_one_line_for_the_flag_and_a_saved_config(tiny_run:
     from gstrain.config import build_config
 
     out = tmp_path / "new"
-    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--seed", "99999999999999999999", "--device", "cpu"),
+    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--steps", "2", *TINY[:-2],
+                               "--seed", "99999999999999999999"),
                      "train.seed", "99999999999999999999")
     assert not out.exists()
     run = tmp_path / "run"
@@ -241,5 +243,6 @@ def test_seed_out_of_range_is_one_line_for_the_flag_and_a_saved_config(tiny_run:
 # ------------------------------------------------------------------- 16: dist.timeout_s
 def test_dist_timeout_below_the_minimum_is_refused(demo_scene: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--set", "dist.timeout_s=0.001"), "dist.timeout_s")
+    assert_one_error(*call_cli("fit", demo_scene, "--out", out, "--steps", "2", *TINY,
+                               "--set", "dist.timeout_s=0.001"), "dist.timeout_s")
     assert not out.exists()
