@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_one_error, assert_user_error, call_cli, run_cli
 from test_dist_cli import TORCHRUN, _torchrun, _wait_training
 
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside python")
@@ -60,6 +60,25 @@ def test_rank_outliving_a_killed_rank_zero_says_one_line(demo_scene: Path, tmp_p
         survivor = [x for x in lines if "gstrain: error: rank 1" in x or x.endswith("gstrain: error: interrupted")]
         assert len(survivor) == 1, err[-3000:]
         _no_traceback_of_ours(err)
+
+
+def test_sigterm_while_the_error_line_is_printed_is_ignored(tmp_path: Path, monkeypatch) -> None:
+    """The race above, made certain: torchrun's SIGTERM lands just as the survivor reports its
+    error. The command has ended by then; the signal must not turn the line into a traceback."""
+    import gstrain.cli
+
+    report = gstrain.cli._err
+
+    def late_signal(message: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode, here
+        report(message)
+
+    monkeypatch.setattr(gstrain.cli, "_err", late_signal)
+    try:
+        result = call_cli("eval", tmp_path / "no_such_run")
+    except KeyboardInterrupt:  # not pytest's own stop: the traceback a user would have seen
+        pytest.fail("a SIGTERM after the command ended escaped as KeyboardInterrupt")
+    assert_one_error(*result, "run folder not found")
 
 
 # ------------------------------------------------------------------- 18: the partition used
