@@ -33,6 +33,11 @@ from gstrain.errors import UserError
 from gstrain.files import write_text_atomic
 from gstrain.train.strategies.registry import STRATEGY_NAMES
 
+# train.seed seeds numpy's legacy generator too (np.random.seed), the narrowest of the three
+SEED_MAX = 2**32 - 1
+# dist.timeout_s below this cannot even set the process group up (the ranks' first handshake)
+MIN_DIST_TIMEOUT_S = 1.0
+
 
 @dataclass
 class DataConfig:
@@ -320,8 +325,8 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"dist.max_imbalance must be >= 1 (max/mean); got {cfg.dist.max_imbalance}")
     if not 0.0 <= cfg.dist.count_weight <= 1.0:
         raise UserError(f"dist.count_weight must be in [0, 1]; got {cfg.dist.count_weight}")
-    if cfg.dist.timeout_s <= 0:
-        raise UserError(f"dist.timeout_s must be > 0; got {cfg.dist.timeout_s}")
+    if not cfg.dist.timeout_s >= MIN_DIST_TIMEOUT_S:  # also NaN
+        raise UserError(f"dist.timeout_s must be >= {MIN_DIST_TIMEOUT_S:g} (seconds); got {cfg.dist.timeout_s:g}")
     if cfg.train.batch_size < 1:
         raise UserError(f"train.batch_size must be >= 1; got {cfg.train.batch_size}")
     if cfg.train.steps < 1:
@@ -375,6 +380,8 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
         render = {**render, "backend": "gsplat", "atomic_mode": RenderConfig.atomic_mode}
         data = {**data, "render": render}
     return data
+
+
 def _validate_ranges(cfg: Config) -> None:
     """Values that pass the type check but would crash or silently misbehave later."""
     at_least = {
@@ -388,6 +395,8 @@ def _validate_ranges(cfg: Config) -> None:
     for key, (value, low) in at_least.items():
         if value < low:
             raise UserError(f"{key} must be >= {low}; got {value}")
+    if cfg.train.seed > SEED_MAX:
+        raise UserError(f"train.seed must be 0..{SEED_MAX} (numpy's seed range); got {cfg.train.seed}")
     for name in ("means_lr", "means_lr_final", "scales_lr", "quats_lr", "opacities_lr", "sh0_lr", "shN_lr"):
         value = getattr(cfg.optim, name)
         if not value >= 0.0 or value == float("inf"):  # also NaN

@@ -30,15 +30,17 @@ def _finite_or_none(value: Any) -> Any:
 
 
 def evaluate_run(
-    run_dir: Path, device: str = "auto", log: Callable[[str], None] = print, allow_older: bool = False
+    run_dir: Path, device: str = "auto", log: Callable[[str], None] = print, allow_older: bool = False,
+    scene: Path | None = None,
 ) -> dict[str, Any]:
-    """Render a run's held-out views to <run>/renders/test/ and write <run>/metrics.json."""
+    """Render a run's held-out views to <run>/renders/test/ and write <run>/metrics.json; `scene`:
+    the run's scene after a move (run_dir.open_run checks and records it)."""
     import imageio.v3 as iio
 
     from gstrain.files import make_dir, write_text_atomic
     from gstrain.run_dir import METRICS_FILE, open_run
 
-    run = open_run(run_dir, device, allow_older=allow_older, log=log)
+    run = open_run(run_dir, device, allow_older=allow_older, log=log, scene_path=scene)
     scene, dev, renderer, params, state = run.scene, run.device, run.renderer, run.params, run.state
     background, sh_degree = run.background, run.sh_degree  # the degree training had reached
     if not scene.test:

@@ -104,13 +104,15 @@ def render_run(
     n_frames: int = 120,
     force: bool = False,
     allow_older: bool = False,
+    scene: str | Path | None = None,
 ) -> RenderReport:
     """Render the run's latest Gaussians along a camera path to FILE.mp4 or to a folder of PNGs.
 
     out defaults to <run>/renders/<path>_<what>.mp4. PNG frames go into a new or empty folder,
     or with `force` into one holding an earlier render's frames (only those are removed); an
     existing FILE.mp4 outside <run>/renders/ is replaced only with `force`, and only if it carries
-    gstrain's mark (files.carries_gstrain_mark). UserError for bad input.
+    gstrain's mark (files.carries_gstrain_mark). `scene`: the run's scene after a move (checked and
+    recorded by run_dir.open_run). UserError for bad input.
     """
     from gstrain.run_dir import load_run, open_run
 
@@ -130,7 +132,8 @@ def render_run(
 
     load_run(run)  # a wrong run folder is named before anything is written
     check_output(out_path, is_video, force, ours=run / "renders")
-    opened = open_run(run, device, allow_older=allow_older, log=log)
+    opened = open_run(run, device, allow_older=allow_older, log=log,
+                      scene_path=Path(scene) if scene is not None else None)
     scene, cfg = opened.scene, opened.cfg
     log(f"gstrain: loaded scene {opened.scene_path} (factor {cfg.data.factor}) for its cameras")
     log(f"gstrain: {render_protocol(cfg)}")

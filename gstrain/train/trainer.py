@@ -33,6 +33,7 @@ from gstrain.train.appearance import build_corrections
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
+from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.masking import prepare_mask
 from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
@@ -309,8 +310,11 @@ class Trainer(RunReporting):
             self.record.comm_sent += result.comm[0]
             self.record.comm_received += result.comm[1]
         self._records += result.records
-        if result.changed and self.world == 1:  # the count is known on the host: no sync
-            self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
+        if result.changed:  # one process: the count is known on the host, no sync
+            count = len(self.params["means"]) if self.world == 1 else self.gaussian_count()  # ranks refine alike
+            if self.world == 1:
+                self.record.max_gaussians = max(self.record.max_gaussians, count)
+            check_gaussians_left(count, self.cfg.strategy, step + 1)  # before a step renders an empty model
         return result.loss, result.terms, result.image, result.target
 
     def train_target(self, gt: torch.Tensor | int) -> torch.Tensor:
