@@ -43,7 +43,10 @@ def _one_of(options: tuple[str, ...]) -> str:
 
 
 def _err(message: str) -> None:
-    print(f"gstrain: error: {message}", file=sys.stderr)
+    # one write: under torchrun every rank prints its line to the same pipe, and print's separate
+    # write of the newline let two ranks' lines run together
+    sys.stderr.write(f"gstrain: error: {message}\n")
+    sys.stderr.flush()
 
 
 def _log(message: str) -> None:

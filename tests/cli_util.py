@@ -58,3 +58,22 @@ def call_cli(*args: str | Path) -> tuple[int, str]:
 def assert_one_error(code: int, stderr: str, *needles: str) -> None:
     """assert_user_error for call_cli's result."""
     assert_user_error(subprocess.CompletedProcess([], code, "", stderr), *needles)
+
+
+# A 4-step run of the 64 px demo scene with checkpoints at steps 2 and 4 (the fault tests' subject)
+TINY = ["--set", "log.progress_every=2", "--set", "model.sh_degree=1", "--set", "log.ckpt_every=2",
+        "--set", "log.keep_ckpts=0", "--set", "strategy.refine_start=100", "--seed", "5"]
+
+
+def fit_tiny_run(out: Path, scene: Path) -> Path:
+    """`gstrain fit` of TINY into `out` (asserts it trained)."""
+    code, err = call_cli("fit", scene, "--out", out, "--steps", "4", *TINY)
+    assert code == 0, err
+    return out
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of `run` under tmp_path, for a test that damages or overwrites its files."""
+    import shutil
+
+    return Path(shutil.copytree(run, tmp_path / "run"))

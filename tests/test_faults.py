@@ -17,12 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_util import assert_one_error, call_cli
+from cli_util import TINY, assert_one_error, call_cli, copy_run, fit_tiny_run
 
 from gstrain.train.checkpoint import list_checkpoints
-
-TINY = ["--set", "log.progress_every=2", "--set", "model.sh_degree=1", "--set", "log.ckpt_every=2",
-        "--set", "log.keep_ckpts=0", "--set", "strategy.refine_start=100", "--seed", "5"]
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -33,18 +30,14 @@ def _digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
     """A 4-step run of the 64 px demo scene with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("faults") / "run"
-    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", *TINY)
-    assert code == 0, err
+    run = fit_tiny_run(tmp_path_factory.mktemp("faults") / "run", demo_scene)
     assert [s for s, _ in list_checkpoints(run)] == [2, 4]
     return run
 
 
 @pytest.fixture
 def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(tiny_run, dst)
-    return dst
+    return copy_run(tiny_run, tmp_path)
 
 
 # ------------------------------------------------------------ files gstrain did not write

@@ -20,10 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_util import assert_one_error, call_cli
-
-TINY = ["--set", "log.progress_every=2", "--set", "model.sh_degree=1", "--set", "log.ckpt_every=2",
-        "--set", "log.keep_ckpts=0", "--set", "strategy.refine_start=100", "--seed", "5"]
+from cli_util import TINY, assert_one_error, call_cli, copy_run, fit_tiny_run
 
 
 def _files(folder: Path) -> dict[str, tuple[str, int]]:
@@ -51,17 +48,13 @@ def _umask(mask: int) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
     """A 4-step run of the 64 px demo scene with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("files") / "run"
-    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", *TINY)
-    assert code == 0, err
+    run = fit_tiny_run(tmp_path_factory.mktemp("files") / "run", demo_scene)
     return run
 
 
 @pytest.fixture
 def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(tiny_run, dst)
-    return dst
+    return copy_run(tiny_run, tmp_path)
 
 
 def _num_gaussians(run: Path) -> int:

@@ -9,7 +9,6 @@ than gstrain's (plyfile, the ffmpeg binary).
 from __future__ import annotations
 
 import hashlib
-import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -17,15 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_util import assert_one_error, call_cli
+from cli_util import assert_one_error, call_cli, copy_run, fit_tiny_run
 from plyfile import PlyData, PlyElement
 
 from gstrain.data.ply_points import read_ply_points
 from gstrain.files import carries_gstrain_mark
 from gstrain.model import load_ply
 
-TINY = ["--set", "log.progress_every=2", "--set", "model.sh_degree=1", "--set", "log.ckpt_every=4",
-        "--set", "log.keep_ckpts=0", "--set", "strategy.refine_start=100", "--seed", "3"]
 RENDER = ["--frames", "2", "--size", "16x16"]
 
 
@@ -35,17 +32,13 @@ def _state(path: Path) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
-    run = tmp_path_factory.mktemp("prov") / "run"
-    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", *TINY)
-    assert code == 0, err
+    run = fit_tiny_run(tmp_path_factory.mktemp("prov") / "run", demo_scene)
     return run
 
 
 @pytest.fixture
 def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(tiny_run, dst)
-    return dst
+    return copy_run(tiny_run, tmp_path)
 
 
 def _means(run: Path) -> torch.Tensor:

@@ -10,13 +10,12 @@ engines.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from gstrain.dist.exchange import CommCounter
 from gstrain.dist.sharded_render import ViewBatch, render_sharded
 from gstrain.train.context import StepContext
+from gstrain.train.engine import UncapturedEngine
 from gstrain.train.step import StepResult
 
 
@@ -25,7 +24,7 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
-class ShardedEngine:
+class ShardedEngine(UncapturedEngine):
     name = "sharded"
 
     def __init__(self, ctx: StepContext) -> None:
@@ -72,15 +71,3 @@ class ShardedEngine:
         image = out.images[0].detach() if out.views else None
         return StepResult(loss.detach(), terms, image, changed, out.pairs, target=gts[0] if gts else None,
                           comm=(sent, received), records=out.owner_records)  # fmt: skip
-
-    def settle(self) -> StepResult | None:
-        return None
-
-    def state_replaced(self) -> None:
-        pass
-
-    def summary(self) -> dict[str, Any] | None:
-        return None
-
-    def pair_totals(self) -> tuple[int, int, int] | None:
-        return None

@@ -53,7 +53,24 @@ class StepEngine(Protocol):
         """Pairs the engine counted itself, not in the StepResults (None: none)."""
 
 
-class EagerEngine:
+class UncapturedEngine:
+    """What an engine that launches every step from Python says to the loop: nothing to settle,
+    nothing held of the context's tensors, no summary or pair counts of its own."""
+
+    def settle(self) -> StepResult | None:
+        return None
+
+    def state_replaced(self) -> None:
+        pass
+
+    def summary(self) -> dict[str, Any] | None:
+        return None
+
+    def pair_totals(self) -> tuple[int, int, int] | None:
+        return None
+
+
+class EagerEngine(UncapturedEngine):
     """train.batch_size views a step (one for the single-view step), every kernel launched from
     Python: StepRunner.run."""
 
@@ -69,18 +86,6 @@ class EagerEngine:
             views = [ctx.views.step_view(idx) for idx in ctx.views.draw(ctx.sampler, ctx.batch_size)]
         return ctx.runner.run(ctx.params, ctx.optimizers, step, views, ctx.sh_degree(step), ctx.background,
                               scheduler=ctx.scheduler)  # fmt: skip
-
-    def settle(self) -> StepResult | None:
-        return None
-
-    def state_replaced(self) -> None:
-        pass
-
-    def summary(self) -> dict[str, Any] | None:
-        return None
-
-    def pair_totals(self) -> tuple[int, int, int] | None:
-        return None
 
 
 def choose_engine(ctx: StepContext) -> str:
