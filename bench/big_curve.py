@@ -109,7 +109,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     from bench.big_scene import SCENE_FILE
     from bench.city import city_gaussians
     from gstrain.config import build_config, parse_override
-    from gstrain.data.colmap import load_scene
+    from gstrain.data.inputs import load_scene
     from gstrain.model import SH_C0
     from gstrain.render import resolve_device
     from gstrain.threads import apply_threads

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
-from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
+from gstrain.data.inputs import load_scene
 from gstrain.train.trainer import seed_everything
 
 

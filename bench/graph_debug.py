@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gstrain.config import build_config
-from gstrain.data.colmap import load_scene
+from gstrain.data.inputs import load_scene
 from gstrain.train import graph_step
 from gstrain.train.trainer import Trainer, seed_everything
 

@@ -23,7 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from gstrain.config import build_config, parse_override
-from gstrain.data.colmap import load_scene
+from gstrain.data.inputs import load_scene
 from gstrain.train import graph_step
 from gstrain.train.trainer import Trainer
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from bench.graph_cases import graph_trainer
-from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
+from gstrain.data.inputs import load_scene
 from gstrain.train import graph_step
 from gstrain.train.trainer import seed_everything
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     args = ap.parse_args(argv)
 
     from gstrain.config import parse_override
-    from gstrain.data.colmap import load_scene
+    from gstrain.data.inputs import load_scene
 
     checkpoints = sorted({int(s) for s in args.steps.split(",")})
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]

@@ -106,7 +106,7 @@ def create_run_dir(run_dir: Path, scene: Path, cfg: Config, lock: RunLock | None
 
 
 def _scene_digest_or_none(scene: Path) -> str | None:
-    from gstrain.data.colmap import scene_digest
+    from gstrain.data.inputs import scene_digest
 
     try:
         return scene_digest(scene)
@@ -146,7 +146,7 @@ def check_moved_scene(run_dir: Path, meta: dict[str, Any], scene: Path) -> None:
     """May `scene` stand in for the scene run.json names? It must be the same COLMAP model
     (cameras, poses, image names) as recorded; a run from before the record is checked by its
     training views instead, once they load (check_views_fit)."""
-    from gstrain.data.colmap import scene_digest
+    from gstrain.data.inputs import scene_digest
 
     if not scene.is_dir():
         raise UserError(f"scene folder not found: {scene}")
@@ -158,7 +158,7 @@ def check_moved_scene(run_dir: Path, meta: dict[str, Any], scene: Path) -> None:
 
 def record_scene(run_dir: Path, scene: Path, log: Callable[[str], None] | None = None) -> None:
     """run.json names `scene` from now on (a moved scene that passed check_moved_scene)."""
-    from gstrain.data.colmap import scene_digest
+    from gstrain.data.inputs import scene_digest
 
     _cfg, meta = load_run(run_dir)
     meta = {**meta, "scene": str(scene.resolve()), SCENE_DIGEST: scene_digest(scene)}

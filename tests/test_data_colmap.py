@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from gstrain.data.colmap import load_scene
+from gstrain.data.inputs import load_scene  # every command reads scenes through it
 from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
 

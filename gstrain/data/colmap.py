@@ -7,7 +7,6 @@ Distorted cameras are undistorted to PINHOLE with pycolmap; images are downscale
 from __future__ import annotations
 
 import hashlib
-import numbers
 import os
 import time
 from collections import Counter
@@ -48,13 +47,7 @@ def load_scene(
     Raises UserError with one line for any problem with the input.
     """
     say = log or (lambda _msg: None)
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise UserError(f"scene path does not exist: {root}")
-    if not root.is_dir():
-        raise UserError(f"scene path is not a directory: {root}")
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Integral) or factor < 1:
-        raise UserError(f"factor must be an integer >= 1, got {factor!r}")
+    root = Path(path).expanduser()  # checked by data/inputs.py's load_scene, which every caller goes through
 
     factor = int(factor)
     model_dir = find_model_dir(root)

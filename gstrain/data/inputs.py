@@ -60,3 +60,13 @@ def load_scene(
     if len(found) > 1:
         scene.notes.append(f"{root} holds more than one scene format; read it as {FORMATS[0][0]}")
     return scene
+
+
+def scene_digest(path: str | Path) -> str:
+    """A digest of the scene's cameras and image names in its own format: the same scene wherever
+    its folder moves (run_dir checks a moved scene against it). UserError when no format is there."""
+    root = Path(path).expanduser()
+    found = [module for _, module in FORMATS if root.is_dir() and module.recognise(root)]
+    if not found:
+        raise UserError(f"no scene found in {root}")
+    return found[0].scene_digest(root)

@@ -10,6 +10,7 @@ Distorted cameras (OPENCV, OPENCV_FISHEYE) are undistorted to PINHOLE through py
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -37,6 +38,19 @@ SPLIT_FILES = {"train": "transforms_train.json", "val": "transforms_val.json", "
 def recognise(root: Path) -> bool:
     """Whether root holds a transforms.json scene."""
     return (root / SINGLE_FILE).is_file() or (root / SPLIT_FILES["train"]).is_file()
+
+
+def scene_digest(root: Path) -> str:
+    """sha256 of the scene's transforms files (cameras, poses, image names): the same scene
+    wherever its folder is."""
+    digest = hashlib.sha256()
+    for name in (SINGLE_FILE, *SPLIT_FILES.values()):
+        if (root / name).is_file():
+            try:
+                digest.update(name.encode() + (root / name).read_bytes())
+            except OSError as exc:
+                raise UserError(f"cannot read {root / name}: {exc.strerror or exc}") from None
+    return digest.hexdigest()
 
 
 def load_scene(
