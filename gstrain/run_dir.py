@@ -233,9 +233,13 @@ def open_run(
     scene = None
     if scene_path is not None:
         from gstrain.data.inputs import load_scene
+        from gstrain.train.pose_refine import STATE_KEY as POSE_KEY
+        from gstrain.train.pose_refine import refined_views
 
         scene = load_scene(scene_path, factor=cfg.data.factor, test_every=cfg.data.test_every,
                            background=cfg.data.background)
+        # train.pose_refine: the training views at the poses the run learned (test views as given)
+        scene.train = refined_views(scene.train, state.get(POSE_KEY))
     dev, rend, background = None, None, None
     params_device = "cpu"
     if renderer:

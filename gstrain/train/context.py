@@ -31,7 +31,7 @@ class TrainViews:
 
     def step_view(self, idx: int) -> StepView:
         viewmat, K = self.cams[idx]
-        return StepView(viewmat, K, self.target(idx), self.masks[idx])
+        return StepView(viewmat, K, self.target(idx), self.masks[idx], index=idx)
 
 
 @dataclass

@@ -90,7 +90,8 @@ def choose_engine(ctx: StepContext) -> str:
     exchange to itself, so it runs the plain engines."""
     if ctx.shard is not None and ctx.shard.world > 1:
         return "sharded"
-    if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device):
+    # a captured step replays fixed cameras and images: per-view corrections run eagerly
+    if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device) and not ctx.runner.corrections:
         return "graph"
     return "batch" if ctx.batch_size > 1 else "eager"
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
+from gstrain.train.corrections import ViewCorrection, corrected_camera, corrected_image
 from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategies.base import Strategy
@@ -56,6 +57,7 @@ class StepView:
     gt: Tensor
     mask: ViewMask | None = None
     valid: Tensor | None = None
+    index: int | None = None  # the training view's index (per-view corrections); None: not one
 
 
 BatchView = StepView  # the name bench scripts know
@@ -103,6 +105,8 @@ class StepRunner:
         self.sparse_adam = bool(cfg.optim.sparse_adam) and self.fused_adam is not None
         # (scalars, skip flag) while a CUDA graph of the step is captured (train/graph_step.py)
         self.graph_adam: tuple[Tensor, Tensor] | None = None
+        # learned per training view, applied to its camera and render (train/corrections.py)
+        self.corrections: list[ViewCorrection] = []
 
     def run(
         self,
@@ -122,11 +126,12 @@ class StepRunner:
         for v in views:
             height, width = v.gt.shape[:2]
             with timer.phase("forward"):
-                image, _, info = self.renderer(params, v.viewmat, v.K, width, height, sh_degree, background,
+                viewmat = corrected_camera(self.corrections, step, v.index, v.viewmat)
+                image, _, info = self.renderer(params, viewmat, v.K, width, height, sh_degree, background,
                                                timer=timer)  # fmt: skip
             self.strategy.step_pre_backward(params, optimizers, step, info)
             with timer.phase("loss"):
-                loss, terms = self.view_loss(image, v, background)
+                loss, terms = self.view_loss(corrected_image(self.corrections, step, v.index, image), v, background)
             losses.append(loss)
             terms_sum = terms if len(views) == 1 else {k: terms_sum.get(k, 0) + t.detach() for k, t in terms.items()}
             infos.append(info)
@@ -164,6 +169,8 @@ class StepRunner:
             self.optimizer_step(optimizers, info)
             if scheduler is not None:
                 scheduler.step()
+            for correction in self.corrections:
+                correction.optimizer_step(step)
         with timer.phase("densify"):
             means_lr = optimizers["means"].param_groups[0]["lr"]
             changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)

@@ -33,6 +33,8 @@ from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.masking import prepare_mask
 from gstrain.train.optim import build_means_scheduler, build_optimizers
+from gstrain.train.pose_refine import STATE_KEY as POSE_KEY
+from gstrain.train.pose_refine import attach_pose_refiner
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
@@ -98,6 +100,9 @@ class Trainer(RunReporting):
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
+        # train.pose_refine: the training views' learned pose corrections (None: off)
+        self.pose_refiner = attach_pose_refiner(cfg, len(scene.train), scene.extent, self.renderer, self.runner,
+                                                device, log)  # fmt: skip
         self.ctx = StepContext(
             cfg=cfg, device=device, params=params, optimizers=optimizers,
             scheduler=build_means_scheduler(optimizers["means"], cfg.optim, cfg.train.steps),
@@ -174,7 +179,8 @@ class Trainer(RunReporting):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
+        pose = {POSE_KEY: self.pose_refiner.state_dict()} if self.pose_refiner is not None else {}
+        return pose | {
             "step": self.step,
             "params": {k: v.detach() for k, v in self.params.items()},  # CheckpointWriter copies
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
@@ -196,6 +202,8 @@ class Trainer(RunReporting):
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.load_state_dict(state["strategy"], self.device)
         self.sampler.load_state_dict(state["sampler"])
+        if self.pose_refiner is not None and POSE_KEY in state:
+            self.pose_refiner.load_state_dict(state[POSE_KEY])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.engine.state_replaced()
@@ -206,6 +214,10 @@ class Trainer(RunReporting):
             return False
         self.load_state_dict(state)
         return True
+
+    def training_views(self) -> list[Any]:
+        """The training views as the model learned them: with train.pose_refine, at their refined poses."""
+        return self.pose_refiner.refined(self.scene.train) if self.pose_refiner is not None else self.scene.train
 
     def _params_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params.values())
@@ -392,7 +404,7 @@ class Trainer(RunReporting):
         train_views = None
         if finished and cfg.log.eval_train_views:
             with self._whole_model() as lead:
-                train_views = self.score_views(self.scene.train) if lead else None
+                train_views = self.score_views(self.training_views()) if lead else None
         result = FitResult(
             status=status, step=self.step, seconds=seconds, num_gaussians=self.gaussian_count(),
             initial_test_psnr=initial["psnr"] if initial else None,
