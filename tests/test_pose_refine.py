@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,10 +28,13 @@ def rodrigues(omega: np.ndarray) -> np.ndarray:
     return np.eye(3) + math.sin(angle) * kx + (1 - math.cos(angle)) * kx @ kx
 
 
-def corrected(delta: np.ndarray, extent: float, viewmat: np.ndarray) -> np.ndarray:
+def corrected(delta: np.ndarray, extent: float, viewmat: np.ndarray, pivot: float = 0.0) -> np.ndarray:
+    """viewmat rotated by delta[:3] about the point `pivot` ahead of the camera, then moved by
+    delta[3:] * extent, in camera coordinates."""
+    rot, ahead = rodrigues(delta[:3]), np.array([0.0, 0.0, pivot])
     fix = np.eye(4)
-    fix[:3, :3] = rodrigues(delta[:3])
-    fix[:3, 3] = delta[3:] * extent
+    fix[:3, :3] = rot
+    fix[:3, 3] = delta[3:] * extent + ahead - rot @ ahead
     return fix @ viewmat
 
 
@@ -80,9 +82,10 @@ def test_correction_is_rodrigues_and_extent_scaled():
     viewmat = np.eye(4)
     viewmat[:3, :3] = rodrigues(rng.normal(size=3))
     viewmat[:3, 3] = rng.normal(size=3)
-    fixes = correction_matrices(torch.tensor(delta), 2.5).numpy()
-    for d, fix in zip(delta, fixes, strict=True):
-        np.testing.assert_allclose(fix @ viewmat, corrected(d, 2.5, viewmat), atol=1e-12)
+    pivots = rng.uniform(0.5, 5.0, size=5)
+    fixes = correction_matrices(torch.tensor(delta), 2.5, torch.tensor(pivots)).numpy()
+    for d, fix, pivot in zip(delta, fixes, pivots, strict=True):
+        np.testing.assert_allclose(fix @ viewmat, corrected(d, 2.5, viewmat, pivot), atol=1e-12)
     np.testing.assert_array_equal(fixes[0], np.eye(4))
 
 
@@ -132,8 +135,10 @@ def test_render_and_eval_read_the_refined_training_poses(demo_scene, tmp_path):
     given = load_scene(demo_scene)
     delta = state["delta"].double().numpy()
     assert np.abs(delta).max() > 1e-4  # the poses moved
-    for view, original, d in zip(opened.scene.train, given.train, delta, strict=True):
-        expected = corrected(d, given.extent, original.viewmat.double().numpy())
+    pivots = state["pivots"].double().numpy()
+    assert np.all((pivots > 3.0) & (pivots < 6.0))  # the demo's cameras look at the sphere from 4.5 units
+    for view, original, d, pivot in zip(opened.scene.train, given.train, delta, pivots, strict=True):
+        expected = corrected(d, given.extent, original.viewmat.double().numpy(), pivot)
         np.testing.assert_allclose(view.viewmat.double().numpy(), expected, atol=1e-5)
     for view, original in zip(opened.scene.test, given.test, strict=True):  # test views: as given
         assert torch.equal(view.viewmat, original.viewmat)

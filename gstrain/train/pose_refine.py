@@ -39,26 +39,46 @@ _EPS = 1e-15
 STATE_KEY = "pose_refine"  # the checkpoint's entry
 
 
-def correction_matrices(delta: Tensor, extent: float) -> Tensor:
-    """The [V,4,4] rigid transforms of V corrections delta [V,6] (axis-angle, translation / extent)."""
+def correction_matrices(delta: Tensor, extent: float, pivots: Tensor) -> Tensor:
+    """The [V,4,4] rigid transforms of V corrections delta [V,6] (axis-angle, translation / extent),
+    each rotating about the point at depth pivots [V] on its camera's optical axis."""
     omega, tau = delta[:, :3], delta[:, 3:]
     zero = torch.zeros_like(omega[:, 0])
     skew = torch.stack([zero, -omega[:, 2], omega[:, 1],
                         omega[:, 2], zero, -omega[:, 0],
                         -omega[:, 1], omega[:, 0], zero], dim=-1).reshape(-1, 3, 3)  # fmt: skip
     rot = torch.linalg.matrix_exp(skew)
-    top = torch.cat([rot, (tau * extent)[:, :, None]], dim=2)
+    pivot = torch.stack([zero, zero, pivots.to(delta)], dim=-1)  # [V,3] in camera coordinates
+    shift = tau * extent + pivot - (rot @ pivot[:, :, None])[:, :, 0]
+    top = torch.cat([rot, shift[:, :, None]], dim=2)
     bottom = torch.zeros_like(top[:, :1])
     bottom[:, 0, 3] = 1.0
     return torch.cat([top, bottom], dim=1)
+
+
+def pivot_depths(viewmats: Sequence[Tensor], points: Any, extent: float) -> Tensor:
+    """Each view's rotation pivot: the median depth of the scene's points in front of it (the
+    extent where it sees none). Rotating about the scene rather than the camera centre keeps the
+    well-seen image shift in the translation and leaves the rotation with the parallax, two
+    directions of very different sensitivity that a per-coordinate Adam then scales apart."""
+    pts = torch.as_tensor(points, dtype=torch.float64).reshape(-1, 3)
+    depths = []
+    for viewmat in viewmats:
+        vm = viewmat.detach().double().cpu()
+        z = pts @ vm[2, :3] + vm[2, 3]
+        z = z[z > 0]
+        depths.append(float(z.median()) if len(z) else float(extent))
+    return torch.tensor(depths, dtype=torch.float32)
 
 
 class PoseRefiner:
     """The training views' pose corrections and their per-view Adam (a ViewCorrection,
     train/corrections.py)."""
 
-    def __init__(self, n_views: int, extent: float, cfg: Any, device: torch.device) -> None:
+    def __init__(self, pivots: Tensor, extent: float, cfg: Any, device: torch.device) -> None:
+        n_views = len(pivots)
         self.extent = float(extent)
+        self.pivots = pivots.to(device)
         self.delta = torch.zeros(n_views, 6, device=device, requires_grad=True)
         self.exp_avg = torch.zeros(n_views, 6, device=device)
         self.exp_avg_sq = torch.zeros(n_views, 6, device=device)
@@ -72,7 +92,8 @@ class PoseRefiner:
         if step < self.start:
             return viewmat
         self._rendered.append(index)
-        return correction_matrices(self.delta[index : index + 1], self.extent)[0].to(viewmat) @ viewmat
+        fix = correction_matrices(self.delta[index : index + 1], self.extent, self.pivots[index : index + 1])[0]
+        return fix.to(viewmat) @ viewmat
 
     def image(self, step: int, index: int, image: Tensor) -> Tensor:
         return image
@@ -109,7 +130,7 @@ class PoseRefiner:
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and numbers (train/state_file.py)."""
         return {"delta": self.delta.detach(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
-                "updates": self.updates, "extent": self.extent}  # fmt: skip
+                "updates": self.updates, "extent": self.extent, "pivots": self.pivots}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -118,6 +139,7 @@ class PoseRefiner:
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.updates.copy_(state["updates"])
         self.extent = float(state["extent"])
+        self.pivots.copy_(state["pivots"])
 
     def refined(self, views: Sequence[View]) -> list[View]:
         """The training views with their learned poses (no gradients)."""
@@ -134,13 +156,13 @@ def refined_views(views: Sequence[View], state: dict[str, Any] | None) -> list[V
         raise UserError(f"the checkpoint has {len(delta)} pose corrections (train.pose_refine) but the scene "
                         f"has {len(views)} training views; was the scene folder changed?")
     with torch.no_grad():
-        fixes = correction_matrices(delta, float(state["extent"]))
+        fixes = correction_matrices(delta, float(state["extent"]), state["pivots"].float().cpu())
     return [dataclasses.replace(v, viewmat=(fix @ v.viewmat.float().cpu()).contiguous())
             for v, fix in zip(views, fixes, strict=True)]  # fmt: skip
 
 
-def attach_pose_refiner(cfg: Any, n_views: int, extent: float, renderer: Any, runner: Any, device: torch.device,
-                        log: Any = print) -> PoseRefiner | None:  # fmt: skip
+def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, renderer: Any, runner: Any,
+                        device: torch.device, log: Any = print) -> PoseRefiner | None:  # fmt: skip
     """With train.pose_refine: a PoseRefiner on the step's corrections (None without). The paths
     that cannot give viewmat gradients are switched off, each with one line: our fused SH kernel
     (SH colours go through gsplat's) and the CUDA-graph engine (the eager engine runs)."""
@@ -153,6 +175,6 @@ def attach_pose_refiner(cfg: Any, n_views: int, extent: float, renderer: Any, ru
     if renderer.backend == "cuda" and renderer.options.fused_sh:
         log("gstrain: train.pose_refine: SH colours through gsplat (the fused SH kernel has no camera gradient)")
         renderer.options = dataclasses.replace(renderer.options, fused_sh=False)
-    refiner = PoseRefiner(n_views, extent, cfg, device)
+    refiner = PoseRefiner(pivot_depths([v.viewmat for v in views], points, extent), extent, cfg, device)
     runner.corrections.append(refiner)
     return refiner

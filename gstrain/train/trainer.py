@@ -101,8 +101,8 @@ class Trainer(RunReporting):
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
         # train.pose_refine: the training views' learned pose corrections (None: off)
-        self.pose_refiner = attach_pose_refiner(cfg, len(scene.train), scene.extent, self.renderer, self.runner,
-                                                device, log)  # fmt: skip
+        self.pose_refiner = attach_pose_refiner(cfg, scene.train, scene.points, scene.extent, self.renderer,
+                                                self.runner, device, log)  # fmt: skip
         self.ctx = StepContext(
             cfg=cfg, device=device, params=params, optimizers=optimizers,
             scheduler=build_means_scheduler(optimizers["means"], cfg.optim, cfg.train.steps),
