@@ -16,7 +16,7 @@ from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train.pose_refine import STATE_KEY, correction_matrices
 from gstrain.train.trainer import Trainer
-from tests.cli_util import call_cli
+from tests.cli_util import assert_one_error, call_cli
 
 
 def rodrigues(omega: np.ndarray) -> np.ndarray:
@@ -142,6 +142,15 @@ def test_render_and_eval_read_the_refined_training_poses(demo_scene, tmp_path):
         np.testing.assert_allclose(view.viewmat.double().numpy(), expected, atol=1e-5)
     for view, original in zip(opened.scene.test, given.test, strict=True):  # test views: as given
         assert torch.equal(view.viewmat, original.viewmat)
+
+
+@pytest.mark.parametrize(("key", "value"), [("optim.pose_lr", "-1"), ("optim.pose_lr_final", "nan"),
+                                            ("train.pose_refine_start", "-5")])
+def test_bad_pose_refine_values_are_one_line(demo_scene, tmp_path, key, value):
+    code, err = call_cli("fit", demo_scene, "--steps", "5", "--out", tmp_path / "run",
+                         "--set", "train.pose_refine=true", "--set", f"{key}={value}")  # fmt: skip
+    assert_one_error(code, err, key)
+    assert not (tmp_path / "run").exists()
 
 
 def test_sharded_run_refuses_pose_refine():
