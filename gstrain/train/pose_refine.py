@@ -3,15 +3,15 @@
 Each training view i has six numbers delta_i = (omega, tau), zero at the start (the identity).
 The view is rendered through
 
-    viewmat_i' = [exp([omega]x)  extent * tau] @ viewmat_i
-                 [0              1           ]
+    viewmat_i' = [R  extent * tau + p_i - R p_i] @ viewmat_i,   R = exp([omega]x)
+                 [0  1                         ]
 
-a rotation (axis-angle, radians) and translation applied in the camera frame to the
-world-to-camera matrix. The translation is in units of the scene extent, so that one rate
-(optim.pose_lr) fits every scene: 0.01 is about 0.6 degrees or 1% of the extent. Gradients reach
-delta through the renderer's projection and SH directions (the reference renderer is PyTorch;
-gsplat's fully_fused_projection returns viewmat gradients; our fused SH kernel does not, so
-the trainer renders SH colours through gsplat while poses are refined).
+in camera coordinates: a rotation (axis-angle, radians) about the point p_i = (0, 0, d_i) on the
+optical axis at the scene's median depth d_i (pivot_depths), then a translation in units of the
+scene extent, so that one rate (optim.pose_lr) fits every scene. Gradients reach delta through
+the renderer's projection and SH directions (the reference renderer is PyTorch; gsplat's
+fully_fused_projection returns viewmat gradients; our fused SH kernel does not, so the trainer
+renders SH colours through gsplat while poses are refined).
 
 The update is Adam, per view: a view's row moves only at the steps that render it (a dense Adam
 would keep moving every view on its momentum), with its own step count for the bias correction.
