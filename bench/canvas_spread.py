@@ -11,7 +11,7 @@ Prints each pair's largest parameter difference relative to the parameter's larg
 runs of one path part only by the rounding of the raster backward's float atomics, so a path
 whose pair parts far more amplifies that noise somewhere. (It found one: until 8fa88a2 our
 projection's backward left rounding noise where an isotropic Gaussian's quaternion gradient is
-exactly zero, and Adam turned it into learning-rate-sized turns; docs/benchmarks.md.) A
+exactly zero, and Adam turned it into learning-rate-sized turns; bench/NOTES.md.) A
 development study, not a test.
 """
 

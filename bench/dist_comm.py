@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.city import city_points, look_at, street_centre
 from gstrain.choices import COMPRESSIONS, PARTITIONS
 from gstrain.config import DistConfig
 from gstrain.dist.comm_model import bound_step_bytes, expected_step_bytes
@@ -105,18 +106,6 @@ def scene_beer() -> tuple[AccessProfile, torch.Tensor, str]:
     return cams.profile(), cams.means, cams.desc
 
 
-def _look_at(eye: np.ndarray, target: np.ndarray, up: np.ndarray) -> np.ndarray:
-    f = target - eye
-    f /= np.linalg.norm(f)
-    r = np.cross(f, up)
-    r /= np.linalg.norm(r)
-    d = np.cross(f, r)
-    rot = np.stack([r, d, f])
-    m = np.eye(4, dtype=np.float32)
-    m[:3, :3], m[:3, 3] = rot, -rot @ eye
-    return m
-
-
 def garden_cameras(n_views: int = 160, dense: int = 1) -> Cameras:
     from gstrain.model import knn_rms_distance
 
@@ -134,7 +123,7 @@ def garden_cameras(n_views: int = 160, dense: int = 1) -> Cameras:
     a = np.cross(up, [1.0, 0.0, 0.0]) if abs(up[0]) < 0.9 else np.cross(up, [0.0, 1.0, 0.0])
     a /= np.linalg.norm(a)
     b = np.cross(up, a)
-    extra = [_look_at(target + up * height + radius * (math.cos(t) * a + math.sin(t) * b), target, up)
+    extra = [look_at(target + up * height + radius * (math.cos(t) * a + math.sin(t) * b), target, up)
              for t in np.linspace(0, 2 * math.pi, n_views - len(vm), endpoint=False)]  # fmt: skip
     viewmats = torch.from_numpy(np.concatenate([vm.astype(np.float32), np.stack(extra)]))
     Ks = torch.from_numpy(d["Ks"][:1]).expand(len(viewmats), 3, 3)
@@ -157,60 +146,22 @@ def scene_garden(n_views: int = 160, dense: int = 1) -> tuple[AccessProfile, tor
 def scene_city(n: int, n_views: int, far: float, seed: int = 0) -> tuple[AccessProfile, torch.Tensor, str]:
     """Blocks of buildings on a grid; Gaussians on walls, roofs and streets; cameras walk the streets."""
     g = torch.Generator().manual_seed(seed)
-    blocks, block, street = 24, 40.0, 12.0
-    pitch = block + street
-    # one building per block, footprint inset, random height
-    ix, iy = torch.meshgrid(torch.arange(blocks), torch.arange(blocks), indexing="ij")
-    x0 = ix.flatten().float() * pitch + 2.0
-    y0 = iy.flatten().float() * pitch + 2.0
-    side = block - 4.0
-    hgt = 10 + torch.rand(blocks * blocks, generator=g) * 50
-    area_walls = 4 * side * hgt
-    area_roof = torch.full_like(hgt, side * side)
-    ground = (blocks * pitch) ** 2 - blocks * blocks * block * block
-    areas = torch.cat([area_walls, area_roof, torch.tensor([ground])])
-    # Gaussians per surface, proportional to its area; from g, so the scene is the same every run
-    counts = torch.bincount(torch.multinomial(areas / areas.sum(), n, replacement=True, generator=g),
-                            minlength=areas.numel())  # fmt: skip
-    nb = blocks * blocks
-    pts = []
-    # walls: pick a side, a position along it, a height
-    cw = counts[:nb]
-    b_id = torch.repeat_interleave(torch.arange(nb), cw)
-    m = b_id.numel()
-    s = torch.randint(0, 4, (m,), generator=g)
-    t = torch.rand(m, generator=g) * side
-    z = torch.rand(m, generator=g) * hgt[b_id]
-    bx, by = x0[b_id], y0[b_id]
-    wx = torch.where(s == 0, bx + t, torch.where(s == 1, bx + side, torch.where(s == 2, bx + side - t, bx)))
-    wy = torch.where(s == 0, by, torch.where(s == 1, by + t, torch.where(s == 2, by + side, by + side - t)))
-    pts.append(torch.stack([wx, wy, z], 1))
-    cr = counts[nb : 2 * nb]
-    b_id = torch.repeat_interleave(torch.arange(nb), cr)
-    u = torch.rand(b_id.numel(), 2, generator=g) * side
-    pts.append(torch.stack([x0[b_id] + u[:, 0], y0[b_id] + u[:, 1], hgt[b_id]], 1))
-    # streets: rows of the grid lines (x or y within a street band)
-    k = int(counts[-1])
-    along = torch.rand(k, generator=g) * blocks * pitch
-    across = torch.randint(0, blocks, (k,), generator=g).float() * pitch - street + 2.0
-    across += torch.rand(k, generator=g) * street
-    horiz = torch.rand(k, generator=g) < 0.5
-    pts.append(torch.stack([torch.where(horiz, along, across), torch.where(horiz, across, along), torch.zeros(k)], 1))
-    means = torch.cat(pts)
-    radius = torch.full((n,), math.sqrt(float(areas.sum()) / n) * 3.0)  # 3 sigma of a splat covering its share
+    city = city_points(n, g)  # g moves on: the cameras below draw after the points, as they always did
+    blocks, pitch, means = city.blocks, city.pitch, city.means
+    radius = torch.full((n,), city.sigma * 3.0)  # 3 sigma of a splat covering its share
 
     # cameras: walk along street centre lines, alternating direction, eye height 1.7 m
     cams = []
     lines = torch.randperm(blocks, generator=g)[: max(1, n_views // 20)]
     per_line = math.ceil(n_views / len(lines))
     for j, line in enumerate(lines.tolist()):
-        c = line * pitch - street / 2
+        c = street_centre(line)
         for q in range(per_line):
             a = (q + 0.5) / per_line * blocks * pitch
             horiz = j % 2 == 0
             eye = np.array([a, c, 1.7]) if horiz else np.array([c, a, 1.7])
             fwd = np.array([1.0, 0, 0]) if horiz else np.array([0, 1.0, 0])
-            cams.append(_look_at(eye, eye + fwd + np.array([0, 0, 0.05]), np.array([0, 0, 1.0])))
+            cams.append(look_at(eye, eye + fwd + np.array([0, 0, 0.05]), np.array([0, 0, 1.0])))
     cams = cams[:n_views]
     viewmats = torch.from_numpy(np.stack(cams))
     w, h, f = 1280, 720, 640.0  # 90 degrees horizontal field of view

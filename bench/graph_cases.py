@@ -49,11 +49,11 @@ def eager_steps_on_the_canvas(monkeypatch: Any, canvas: tuple[int, int]) -> None
 
     original = StepRunner.run
 
-    def on_canvas(self, params, optimizers, step, viewmat, K, gt, sh_degree, background, scheduler=None,
-                  mask=None, valid=None):  # fmt: skip
-        if valid is not None:  # a graph step's capture
-            return original(self, params, optimizers, step, viewmat, K, gt, sh_degree, background,
-                            scheduler=scheduler, mask=mask, valid=valid)  # fmt: skip
+    def on_canvas(self, params, optimizers, step, views, sh_degree, background, scheduler=None):  # fmt: skip
+        if len(views) != 1 or views[0].valid is not None:  # a batch, or a graph step's capture
+            return original(self, params, optimizers, step, views, sh_degree, background, scheduler=scheduler)
+        view = views[0]
+        gt = view.gt
         height, width = gt.shape[:2]
         padded = gt.new_zeros((*canvas, gt.shape[2]))
         padded[:height, :width] = gt
@@ -61,8 +61,8 @@ def eager_steps_on_the_canvas(monkeypatch: Any, canvas: tuple[int, int]) -> None
         options = self.renderer.options
         self.renderer.options = replace(options, pair_budget=PairBudget.on(gt.device, 1 << 20), valid_size=size)
         try:
-            result = original(self, params, optimizers, step, viewmat, K, padded, sh_degree, background,
-                              scheduler=scheduler, mask=mask, valid=size)  # fmt: skip
+            result = original(self, params, optimizers, step, [replace(view, gt=padded, valid=size)], sh_degree,
+                              background, scheduler=scheduler)  # fmt: skip
         finally:
             self.renderer.options = options
         return replace(result, image=result.image[:height, :width])

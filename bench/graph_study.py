@@ -171,7 +171,7 @@ def main() -> None:
     per_group = {(f"view {g}" if isinstance(g, int) else "x".join(map(str, g[:2]))):
                  {"capacity": graphs.capacities.get(g), "most": most}
                  for g, most in graphs.group_peak.items()}  # fmt: skip
-    sizes = len({tuple(i.shape) for i in trainer.train_images})
+    sizes = len(set(trainer.ctx.views.shapes()))
     print(json.dumps({"mean_pairs_after_cull": after / max(views, 1), "views": views, "sizes": sizes,
                       "per_group": per_group}),
           flush=True)  # fmt: skip

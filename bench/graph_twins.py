@@ -10,7 +10,7 @@ float4 and scalar paths give bitwise the same numbers. Written when
 test_graph_steps_equal_eager_steps[True] failed in 3 of 5 runs (quaternions 1.4e-4 to 2.3e-4
 apart against its 1e-4): at 1f3c5a9 two eager runs parted as far as graph and eager did (up to
 8.8e-4 against 1.1e-3, quaternions only, from the step after the first refinement), so the bound
-was below the noise of identical steps, not a graph defect (docs/benchmarks.md).
+was below the noise of identical steps, not a graph defect (bench/NOTES.md).
 """
 import argparse
 import tempfile

@@ -18,6 +18,12 @@ ATOMIC_MODES = ("atomic", "warp", "distwar", "arc")
 DEVICES = ("auto", "cpu", "cuda")
 INIT_MODES = ("sfm", "random")  # model.init: the SfM points, or random points
 MASK_MODES = ("ignore", "background")
+# data.images_on: gpu (decoded at start-up, on the training device), host (pinned host memory,
+# copied one step ahead), disk (decoded on the fly by worker threads), auto (the first that fits)
+IMAGES_ON = ("auto", "gpu", "host", "disk")
+# train.appearance: no per-image colour correction, or a learned 3x4 affine colour transform per
+# training image (exposure and white balance; gstrain/train/appearance.py)
+APPEARANCE_MODES = ("none", "affine")
 PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (gstrain/dist/partition.py)
 COMPRESSIONS = ("none", "fp16")  # records on the wire between ranks
 DIST_BACKENDS = ("auto", "nccl", "gloo")

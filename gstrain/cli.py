@@ -83,6 +83,9 @@ DeviceOpt = Annotated[str | None, typer.Option(help=f"{_one_of(DEVICES)} (auto: 
 FactorOpt = Annotated[int | None, typer.Option(help="Downscale images by this factor (uses images_N/ if present).")]
 
 
+SceneOpt = Annotated[Path | None, typer.Option(
+    "--scene", help="The run's scene folder after a move (checked to be the same scene, then kept in run.json).",
+)]
 AllowOlderOpt = Annotated[bool, typer.Option(
     "--allow-older-checkpoint",
     help="When the newest checkpoint is damaged, use the newest readable one (and say which).",
@@ -136,16 +139,22 @@ def eval_(
     run: Annotated[Path, typer.Argument(help="Run folder written by gstrain fit.")],
     device: DeviceOpt = None,
     allow_older_checkpoint: AllowOlderOpt = False,
+    scene: SceneOpt = None,
 ) -> None:
     """Render the held-out views and score them (PSNR, SSIM, LPIPS: weights fetched on first use)."""
     from gstrain.evaluate import evaluate_run
 
-    metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint)
+    metrics = evaluate_run(run, device=device or "auto", log=_log, allow_older=allow_older_checkpoint,
+                           scene=scene)
     lp = metrics.get("lpips")
     lp_text = f"{lp:.4f}" if lp is not None else f"n/a ({metrics.get('lpips_note', 'unavailable')})"
+    half = metrics["fitted_half"]  # None: a perfect half, or no view kept a pixel of its right half
+    half_psnr = f"{half['psnr']:.2f} dB" if half["psnr"] is not None else "n/a"
+    half_ssim = f"{half['ssim']:.4f}" if half["ssim"] is not None else "n/a"
     print(
-        f"test views {metrics['num_views']}: PSNR {metrics['psnr']:.2f} dB, SSIM {metrics['ssim']:.4f}, "
-        f"LPIPS {lp_text}{_masked_text(metrics)}  -> {run / 'metrics.json'}"
+        f"test views {metrics['num_views']} (raw render, no per-image correction): PSNR {metrics['psnr']:.2f} dB, "
+        f"SSIM {metrics['ssim']:.4f}, LPIPS {lp_text}{_masked_text(metrics)}; colour fitted on the left half, "
+        f"right half scored: PSNR {half_psnr}, SSIM {half_ssim}  -> {run / 'metrics.json'}"
     )
 
 
@@ -163,19 +172,18 @@ def export(
     )] = None,
     out: Annotated[Path | None, typer.Option(help="Output file (default: <run>/point_cloud/iteration_N/).")] = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace an existing --out file (never a run's checkpoints or records)."
+        "--force", help="Replace an existing --out file that gstrain wrote (never a run's checkpoints or records)."
     )] = False,
     allow_older_checkpoint: AllowOlderOpt = False,
 ) -> None:
     """Export the latest checkpoint's Gaussians for viewers (3DGS PLY, .splat, compressed PLY)."""
-    from gstrain.files import check_new_or_forced
-    from gstrain.formats import default_export_name, export_format, export_gaussians
+    from gstrain.formats import check_export_target, default_export_name, export_format, export_gaussians
     from gstrain.run_dir import check_not_run_record, open_run
 
     fmt = export_format(out, format)
     if out is not None:  # before any work: a user's file, a link, a run's own records are never replaced
         check_not_run_record(out)
-        check_new_or_forced(out, force, ours=run / "point_cloud")
+        check_export_target(out, fmt, force, ours=run / "point_cloud")
     opened = open_run(run, allow_older=allow_older_checkpoint, log=_log, load_views=False, renderer=False)
     path = out or run / "point_cloud" / f"iteration_{opened.step}" / default_export_name(fmt)
     count = export_gaussians(opened.params, path, fmt)
@@ -290,16 +298,17 @@ def render(
     frames: Annotated[int, typer.Option(help="Frames along an orbit or spiral.")] = 120,
     device: DeviceOpt = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace the frames of an earlier render in --out (only those), or an existing FILE.mp4."
+        "--force", help="Replace the frames of an earlier render in --out (only those), or a FILE.mp4 gstrain wrote."
     )] = False,
     allow_older_checkpoint: AllowOlderOpt = False,
+    scene: SceneOpt = None,
 ) -> None:
     """Render the trained Gaussians along a camera path to an MP4 or PNG frames."""
     from gstrain.video import render_run
 
     report = render_run(
         run, path=path, out=out, what=what, fps=fps, size=size, device=device or "auto", log=_log,
-        n_frames=frames, force=force, allow_older=allow_older_checkpoint,
+        n_frames=frames, force=force, allow_older=allow_older_checkpoint, scene=scene,
     )  # fmt: skip
     print(
         f"rendered {report.frames} {what} frames at {report.width}x{report.height} ({report.backend}) "
@@ -309,29 +318,27 @@ def render(
 
 def main() -> None:
     """Console entry point: one line and exit 2 for bad input, whatever layer noticed it."""
-    code = _run_app()
-    # A late Ctrl-C or SIGTERM (say the second of two quick ones) must not land in the
-    # interpreter's exit handlers, where it ends in a traceback or a native abort: what the run
-    # kept has been saved and said by now.
-    import signal
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    sys.exit(code)
+    sys.exit(_run_app())
 
 
 def _run_app() -> int:
     """Run the command; its exit code, with every error turned into one line first."""
     from gstrain.files import os_error_text
-    from gstrain.signals import install_term_handler
+    from gstrain.signals import ignore_stop_signals, install_term_handler
 
     try:
-        # pycolmap's logging library installs a native SIGTERM handler on import (a stack dump,
-        # no save): import it first, then install ours, so SIGTERM ends every command like Ctrl-C.
-        import pycolmap  # noqa: F401
+        try:
+            # pycolmap's logging library installs a native SIGTERM handler on import (a stack dump,
+            # no save): import it first, then install ours, so SIGTERM ends every command like Ctrl-C.
+            import pycolmap  # noqa: F401
 
-        install_term_handler()
-        code = app(standalone_mode=False)
+            install_term_handler()
+            code = app(standalone_mode=False)
+        finally:
+            # The command has ended; what it kept is saved. A late Ctrl-C or SIGTERM (the second
+            # of two quick ones, or torchrun's SIGTERM to the ranks that outlive a killed one)
+            # must not interrupt the line that says so, or land in the exit handlers as a traceback.
+            ignore_stop_signals()
     except UserError as exc:
         _err(str(exc))
         return 2
@@ -346,6 +353,7 @@ def _run_app() -> int:
         _err(" ".join(exc.format_message().split()))
         return exc.exit_code or 1
     except (typer.Abort, KeyboardInterrupt):
+        ignore_stop_signals()  # when the interrupt came from ignoring them in the first place
         _err("interrupted")
         return 130
     except OSError as exc:  # a write that no layer expected to fail (full disk, read-only folder)

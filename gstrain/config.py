@@ -17,11 +17,13 @@ from typing import Any
 import yaml
 
 from gstrain.choices import (
+    APPEARANCE_MODES,
     ATOMIC_MODES,
     BACKENDS,
     COMPRESSIONS,
     DEVICES,
     DIST_BACKENDS,
+    IMAGES_ON,
     INIT_MODES,
     MASK_MODES,
     PARTITIONS,
@@ -30,6 +32,11 @@ from gstrain.dev_config import DevConfig, move_legacy_keys
 from gstrain.errors import UserError
 from gstrain.files import write_text_atomic
 from gstrain.train.strategies.registry import STRATEGY_NAMES
+
+# train.seed seeds numpy's legacy generator too (np.random.seed), the narrowest of the three
+SEED_MAX = 2**32 - 1
+# dist.timeout_s below this cannot even set the process group up (the ranks' first handshake)
+MIN_DIST_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -40,6 +47,10 @@ class DataConfig:
     # masked pixels (masks/ or alpha): "ignore" leaves them out of loss and metrics; "background"
     # trains them to data.background (object captures) and scores all pixels against that target
     mask_mode: str = "ignore"
+    # where the training images live while training: gpu | host | disk | auto (the first that fits,
+    # said in one line); gstrain/data/image_store.py
+    images_on: str = "auto"
+    max_side: int = 0  # downscale (after factor) so the longer side is at most this many pixels; 0: no limit
 
 
 @dataclass
@@ -79,6 +90,9 @@ class TrainConfig:
     seed: int = 42
     device: str = "auto"  # auto | cpu | cuda
     stop_at: int = 0  # pause after this step (0: run to `steps`); schedules still span `steps`
+    # keep the run under this many GiB of GPU memory (0: no budget): densification stops growing at
+    # the Gaussian count that fits, MCMC's cap is lowered to it (gstrain/train/memory_budget.py)
+    max_memory_gib: float = 0.0
     threads: int = 0  # CPU threads for torch (0: auto, see gstrain/threads.py)
     # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
     # torchrun it is the GLOBAL batch: each view is rendered by its home rank
@@ -87,11 +101,18 @@ class TrainConfig:
     # from step pose_refine_start on
     pose_refine: bool = False
     pose_refine_start: int = 0
+    # a per-image colour correction learned with the scene (gstrain/train/appearance.py): none, or
+    # affine (a 3x4 colour matrix and bias per training image, from identity) applied to the render
+    # before the loss; test views have none, so eval reports the raw render and a fitted-on-half score
+    appearance: str = "none"
+    appearance_lr: float = 1e-3  # Adam's rate for the corrections
+    appearance_decay: float = 0.0  # per step, pulls each correction toward identity by lr * decay
+    appearance_start: int = 0  # the corrections stay identity (not learned) before this step
 
 
 @dataclass
 class StrategyConfig:
-    name: str = "default"  # default (gsplat DefaultStrategy) | mcmc (gsplat MCMCStrategy, CUDA only)
+    name: str = "default"  # default (gsplat DefaultStrategy) | mcmc (gsplat MCMCStrategy; CPU too)
     refine_start: int = 500
     refine_stop: int = 15_000
     refine_every: int = 100
@@ -289,6 +310,11 @@ def validate(cfg: Config) -> Config:
     choice(cfg.strategy.name, STRATEGY_NAMES, "strategy.name")
     choice(cfg.model.init, INIT_MODES, "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
+    choice(cfg.data.images_on, IMAGES_ON, "data.images_on")
+    choice(cfg.train.appearance, APPEARANCE_MODES, "train.appearance")
+    if cfg.train.appearance_lr <= 0 or cfg.train.appearance_decay < 0 or cfg.train.appearance_start < 0:
+        raise UserError("train.appearance_lr must be > 0, train.appearance_decay and train.appearance_start >= 0; "
+                        f"got {cfg.train.appearance_lr}, {cfg.train.appearance_decay}, {cfg.train.appearance_start}")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
     choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")
@@ -307,8 +333,8 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"dist.max_imbalance must be >= 1 (max/mean); got {cfg.dist.max_imbalance}")
     if not 0.0 <= cfg.dist.count_weight <= 1.0:
         raise UserError(f"dist.count_weight must be in [0, 1]; got {cfg.dist.count_weight}")
-    if cfg.dist.timeout_s <= 0:
-        raise UserError(f"dist.timeout_s must be > 0; got {cfg.dist.timeout_s}")
+    if not cfg.dist.timeout_s >= MIN_DIST_TIMEOUT_S:  # also NaN
+        raise UserError(f"dist.timeout_s must be >= {MIN_DIST_TIMEOUT_S:g} (seconds); got {cfg.dist.timeout_s:g}")
     if cfg.train.batch_size < 1:
         raise UserError(f"train.batch_size must be >= 1; got {cfg.train.batch_size}")
     if cfg.train.steps < 1:
@@ -362,6 +388,8 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
         render = {**render, "backend": "gsplat", "atomic_mode": RenderConfig.atomic_mode}
         data = {**data, "render": render}
     return data
+
+
 def _validate_ranges(cfg: Config) -> None:
     """Values that pass the type check but would crash or silently misbehave later."""
     at_least = {
@@ -371,16 +399,21 @@ def _validate_ranges(cfg: Config) -> None:
         "data.test_every": (cfg.data.test_every, 0), "model.init_points": (cfg.model.init_points, 1),
         "train.threads": (cfg.train.threads, 0), "train.seed": (cfg.train.seed, 0),
         "train.pose_refine_start": (cfg.train.pose_refine_start, 0),
-        "strategy.cap_max": (cfg.strategy.cap_max, 1),
+        "strategy.cap_max": (cfg.strategy.cap_max, 1), "data.max_side": (cfg.data.max_side, 0),
     }
     for key, (value, low) in at_least.items():
         if value < low:
             raise UserError(f"{key} must be >= {low}; got {value}")
+    if cfg.train.seed > SEED_MAX:
+        raise UserError(f"train.seed must be 0..{SEED_MAX} (numpy's seed range); got {cfg.train.seed}")
     for name in ("means_lr", "means_lr_final", "scales_lr", "quats_lr", "opacities_lr", "sh0_lr", "shN_lr", "pose_lr",
                  "pose_lr_final"):
         value = getattr(cfg.optim, name)
         if not value >= 0.0 or value == float("inf"):  # also NaN
             raise UserError(f"optim.{name} must be a learning rate >= 0; got {value}")
+    if not 0.0 <= cfg.train.max_memory_gib < float("inf"):  # also NaN
+        raise UserError(f"train.max_memory_gib must be a size in GiB >= 0 (0: no budget); "
+                        f"got {cfg.train.max_memory_gib}")
     if not cfg.optim.eps > 0.0:
         raise UserError(f"optim.eps must be > 0; got {cfg.optim.eps}")
     if not 0.0 < cfg.model.init_opacity < 1.0:
@@ -416,7 +449,8 @@ def merge_config(
 
 
 # What a run is built on: changing one of these on --resume would not fit its checkpoint or its views.
-RUN_FIXED_KEYS = ("data.factor", "data.test_every", "model.sh_degree", "strategy.name")
+RUN_FIXED_KEYS = ("data.factor", "data.max_side", "data.test_every", "model.sh_degree", "strategy.name",
+                  "train.appearance")
 
 
 def changed_fixed_keys(old: Config, new: Config) -> list[str]:

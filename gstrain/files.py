@@ -3,6 +3,9 @@
 Every file goes to a temp file in its target's folder, is fsynced, then renamed over the
 target; a crash or a full disk leaves the old file whole. Only a regular file is replaced: a
 symlink, device node or folder at the target is refused with one line.
+
+Single-file outputs carry gstrain's mark inside them (a PLY header comment, an MP4 comment tag), so
+it survives copying; `--force` replaces an existing file only when it carries the mark.
 """
 
 from __future__ import annotations
@@ -44,15 +47,57 @@ def check_replaceable(path: Path) -> None:
         raise UserError(f"{path} is not a regular file (a device or pipe); gstrain will not replace it")
 
 
-def check_new_or_forced(path: Path, force: bool, ours: Path | None = None) -> None:
-    """Refuse to replace an existing file without `force`, unless it lies under `ours` (a folder
-    that holds only what gstrain wrote, such as a run's renders/); links and devices: never."""
+PLY_MARK = b"comment written by gstrain"  # a header line after `format`; PLY readers skip comments
+VIDEO_MARK = "written by gstrain"  # the MP4's comment tag (ffmpeg -metadata comment=...)
+_MARK_SCAN = 1 << 20  # an MP4's moov box (with the tag) sits at its start or its end
+
+
+def mark_ply_header(ply: bytes) -> bytes:
+    """A PLY file's bytes with gstrain's comment line inserted right after its `format` line."""
+    start = ply.find(b"\nformat ") + 1
+    end = ply.find(b"\n", start) + 1
+    if not ply.startswith(b"ply\n") or start == 0 or end == 0:
+        raise ValueError("not a PLY header: no 'format' line")
+    return ply[:end] + PLY_MARK + b"\n" + ply[end:]
+
+
+def carries_gstrain_mark(path: Path) -> bool:
+    """Whether the file holds gstrain's mark: a PLY header comment line, or an MP4 (ftyp box first)
+    with the comment tag in its first or last MiB. Unreadable files carry none."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_MARK_SCAN)
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(size - _MARK_SCAN, len(head)))
+            tail = fh.read(_MARK_SCAN)
+    except OSError:
+        return False
+    if head.startswith(b"ply\n"):
+        end = head.find(b"\nend_header")
+        return end >= 0 and PLY_MARK in head[:end].split(b"\n")
+    if head[4:8] == b"ftyp":
+        mark = VIDEO_MARK.encode("ascii")
+        return mark in head or mark in tail
+    return False
+
+
+def check_new_or_forced(path: Path, force: bool, ours: Path | None = None, markless: str | None = None) -> None:
+    """Refuse to replace an existing file unless it lies under `ours` (a folder that holds only what
+    gstrain wrote, such as a run's renders/), or `force` is given and the file carries gstrain's
+    mark; links and devices: never. `markless` says why a format cannot carry the mark."""
     check_replaceable(path)
-    if not os.path.lexists(path) or force:
+    if not os.path.lexists(path):
         return
     if ours is not None and is_within(path, ours):
         return
-    raise UserError(f"--out {path} exists; pass --force to replace it, or choose another name")
+    if not force:
+        raise UserError(f"--out {path} exists; pass --force to replace it, or choose another name")
+    if markless is not None:
+        raise UserError(f"--out {path} exists and {markless}, so gstrain cannot tell it wrote it; "
+                        "move or delete it yourself, or choose another name")
+    if not carries_gstrain_mark(path):
+        raise UserError(f"--out {path} exists and gstrain did not write it (it has no gstrain mark); "
+                        "move or delete it yourself, or choose another name")
 
 
 def is_within(path: Path, folder: Path) -> bool:

@@ -31,11 +31,13 @@ class FitRequest:
 
 
 def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
+    from gstrain.data.image_store import scene_is_lazy
     from gstrain.data.inputs import load_scene
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     try:
         loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append,
-                            background=cfg.data.background)
+                            background=cfg.data.background, max_side=cfg.data.max_side,
+                            lazy=scene_is_lazy(cfg.data.images_on))
     except KeyboardInterrupt:
         log("gstrain: interrupted while loading the scene; nothing was written")
         raise
@@ -95,11 +97,15 @@ def run_fit(req: FitRequest, log: Log) -> int:
         cfg = build_config(req.config_files, overrides)
         run_dir = req.out or default_run_dir(scene)
         reuse = check_new_run_dir(run_dir)
+    if req.viewer:  # bad input before the scene loads
+        from gstrain.viewer.serve import check_host
+
+        check_host(cfg.viewer.host, "viewer.host")
     dev = resolve_device(cfg.train.device)
     world = torchrun_world(cfg.dev.always_distributed)
     if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
         _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
-    threads = apply_threads(cfg.train.threads, dev)
+    threads = apply_threads(cfg.train.threads, dev, log)
     loaded = _load_scene(scene, cfg, log)
     view = loaded.train[0] if loaded.train else loaded.test[0]
     log(
@@ -107,8 +113,11 @@ def run_fit(req: FitRequest, log: Log) -> int:
         f"{len(loaded.points)} SfM points, device {dev}" + (f", {threads} CPU threads" if dev.type == "cpu" else "")
     )
     from gstrain.run_dir import is_run_dir
+    from gstrain.run_lock import RunLock
+    from gstrain.train.memory_budget import check_budget_first
     from gstrain.train.trainer import Trainer
 
+    check_budget_first(cfg, loaded)  # train.max_memory_gib too small: said before the run folder is written
     if plan is not None:
         check_scene_fits(plan, loaded, scene)
     elif reuse:
@@ -123,11 +132,12 @@ def run_fit(req: FitRequest, log: Log) -> int:
 
         on_rank_zero(serve)
     trainer = None
+    lock = RunLock(run_dir)  # one fit writes a run folder at a time (gstrain/run_lock.py)
     try:  # from the first write on, whatever stops the run says what the folder kept
-        if plan is not None:  # rank 0 writes; its error is every rank's
-            on_rank_zero(lambda: commit_resume(run_dir, plan, log))
+        if plan is not None:  # rank 0 writes (and locks); its error is every rank's
+            on_rank_zero(lambda: commit_resume(run_dir, plan, log, lock))
         else:
-            on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg))
+            on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg, lock))
         if world:
             from gstrain.dist.trainer import DistTrainer
 
@@ -138,18 +148,20 @@ def run_fit(req: FitRequest, log: Log) -> int:
         result = trainer.fit(resume=req.resume, state=plan.state if plan is not None else None)
     except KeyboardInterrupt:
         _finish_checkpoint(trainer)
-        if is_run_dir(run_dir):
+        if is_run_dir(run_dir) and lock.held:  # no lock: this fit wrote nothing there
             log("gstrain: stopped at once (a second interrupt, or one before training began)")
             log(kept_line(run_dir, scene))
         raise
     except BaseException:
-        if is_run_dir(run_dir):
+        _finish_checkpoint(trainer)  # the kept line names what is on disk, writes included
+        if is_run_dir(run_dir) and lock.held:
             log(kept_line(run_dir, scene))
         raise
     finally:
         if live is not None:
             live.close()
         finish_process_group()
+        lock.release()
     return _report(result, cfg, scene, run_dir, log)
 
 

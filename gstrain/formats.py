@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gstrain.choices import EXPORT_FORMATS
 from gstrain.errors import UserError
-from gstrain.files import write_atomic
+from gstrain.files import check_new_or_forced, mark_ply_header, write_atomic
 
 DEFAULT_FORMAT = "ply"
 SUFFIXES = {"ply": ".ply", "splat": ".splat", "ply-compressed": ".compressed.ply"}
@@ -56,6 +56,14 @@ def export_format(out: Path | None, fmt: str | None) -> str:
     return fmt
 
 
+def check_export_target(out: Path, fmt: str, force: bool, ours: Path) -> None:
+    """Refuse an existing --out that gstrain may not replace (files.check_new_or_forced). A .splat
+    is bare 32-byte records with no room for gstrain's mark: --force never replaces one outside
+    `ours`, since gstrain's own .splat and a user's look the same."""
+    markless = "a .splat file has no room for gstrain's mark" if fmt == "splat" else None
+    check_new_or_forced(out, force, ours=ours, markless=markless)
+
+
 def finite_rows(tensors: Iterable[Tensor]) -> Tensor:
     """[N] bool: the Gaussians whose every value in every tensor (leading dim N) is finite."""
     rows = [torch.isfinite(v).flatten(1).all(1) if v.dim() > 1 else torch.isfinite(v) for v in tensors]
@@ -94,5 +102,7 @@ def export_gaussians(params: Mapping[str, Tensor], path: Path, fmt: str) -> int:
     data = export_splats(
         p["means"], p["scales"], p["quats"], p["opacities"], p["sh0"], p["shN"], format=_GSPLAT_NAMES[fmt]
     )
+    if fmt == "ply-compressed":
+        data = mark_ply_header(data)  # a later --force may replace it
     write_atomic(path, lambda fh: fh.write(data))  # temp file + rename; links and devices refused
     return kept

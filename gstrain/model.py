@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gstrain.errors import UserError
-from gstrain.files import write_atomic
+from gstrain.files import PLY_MARK, write_atomic
 
 SH_C0 = 0.28209479177387814  # Y_0^0, the DC term of the real SH basis
 
@@ -313,7 +313,8 @@ def save_ply(params: Mapping[str, Tensor], path: Path, transform: np.ndarray | N
     flat[:, col + 1:col + 4] = scales
     flat[:, col + 4:col + 8] = arr("quats")
 
-    header = "ply\nformat binary_little_endian 1.0\n" + f"element vertex {n}\n"
+    header = "ply\nformat binary_little_endian 1.0\n" + PLY_MARK.decode("ascii") + "\n"  # --force may replace it
+    header += f"element vertex {n}\n"
     header += "".join(f"property float {name}\n" for name in names) + "end_header\n"
 
     def write(f: IO[bytes]) -> None:

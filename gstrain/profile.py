@@ -101,10 +101,11 @@ def load_workload(
         return _npz_workload(target, cfg, device, npz_scale)
     if is_run_dir(target):
         run = open_run(target, load_views=factor is None, renderer=False)
-        scene = run.scene or load_scene(run_scene(target, run.meta), factor=factor, background=run.cfg.data.background)
+        scene = run.scene or load_scene(run_scene(target, run.meta), factor=factor, background=run.cfg.data.background,
+                                        max_side=run.cfg.data.max_side)
         return _views_workload(target.name, run.params, scene.train, scene.extent, run.sh_degree, device)
     scene = load_scene(target, factor=factor or cfg.data.factor, test_every=cfg.data.test_every,
-                       background=cfg.data.background)
+                       background=cfg.data.background, max_side=cfg.data.max_side)
     if len(scene.points) == 0:
         raise UserError(f"the sparse model in {target} has no 3D points to profile with")
     params = init_gaussians(scene.points, scene.point_colors, sh_degree=cfg.model.sh_degree,

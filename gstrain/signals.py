@@ -20,3 +20,12 @@ def install_term_handler() -> None:
         signal.signal(signal.SIGTERM, _term)
     except ValueError:  # not the main thread (a test runner's worker)
         pass
+
+
+def ignore_stop_signals() -> None:
+    """Ctrl-C and SIGTERM do nothing from here on (main thread only, like install_term_handler)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass

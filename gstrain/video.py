@@ -18,8 +18,9 @@ import torch
 from gstrain.camera_paths import Camera, camera_path, parse_size, scale_camera
 from gstrain.choices import CAMERA_PATHS, RENDER_OUTPUTS
 from gstrain.errors import UserError
-from gstrain.files import create_beside
+from gstrain.files import VIDEO_MARK, create_beside
 from gstrain.frames import check_output, start_frames
+from gstrain.train.appearance import render_protocol
 
 if TYPE_CHECKING:
     from gstrain.render import Renderer
@@ -103,12 +104,15 @@ def render_run(
     n_frames: int = 120,
     force: bool = False,
     allow_older: bool = False,
+    scene: str | Path | None = None,
 ) -> RenderReport:
     """Render the run's latest Gaussians along a camera path to FILE.mp4 or to a folder of PNGs.
 
     out defaults to <run>/renders/<path>_<what>.mp4. PNG frames go into a new or empty folder,
     or with `force` into one holding an earlier render's frames (only those are removed); an
-    existing FILE.mp4 outside <run>/renders/ is replaced only with `force`. UserError for bad input.
+    existing FILE.mp4 outside <run>/renders/ is replaced only with `force`, and only if it carries
+    gstrain's mark (files.carries_gstrain_mark). `scene`: the run's scene after a move (checked and
+    recorded by run_dir.open_run). UserError for bad input.
     """
     from gstrain.run_dir import load_run, open_run
 
@@ -128,9 +132,11 @@ def render_run(
 
     load_run(run)  # a wrong run folder is named before anything is written
     check_output(out_path, is_video, force, ours=run / "renders")
-    opened = open_run(run, device, allow_older=allow_older, log=log)
+    opened = open_run(run, device, allow_older=allow_older, log=log,
+                      scene_path=Path(scene) if scene is not None else None)
     scene, cfg = opened.scene, opened.cfg
     log(f"gstrain: loaded scene {opened.scene_path} (factor {cfg.data.factor}) for its cameras")
+    log(f"gstrain: {render_protocol(cfg)}")
     if path == "test":
         views = scene.test
         if not views:
@@ -228,6 +234,7 @@ def _write_frames(
         writer = imageio.get_writer(
             tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",
             macro_block_size=1, ffmpeg_log_level="error",
+            output_params=["-metadata", f"comment={VIDEO_MARK}"],  # the mark that lets --force replace it
         )  # fmt: skip
         try:
             for cam in bar:

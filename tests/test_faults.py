@@ -74,6 +74,7 @@ def test_render_never_touches_user_files(run_copy: Path, tmp_path: Path) -> None
     video = tmp_path / "user.mp4"
     video.write_bytes(b"the user's own video")
     assert_one_error(*call_cli(*render, "--frames", "2", "--out", video), "exists", "--force")
+    assert_one_error(*call_cli(*render, "--frames", "2", "--out", video, "--force"), "did not write")
     assert video.read_bytes() == b"the user's own video"
 
 
@@ -107,11 +108,14 @@ def test_export_refuses_links_devices_and_unwritable_paths(run_copy: Path, tmp_p
     blocker.write_text("a file where a folder should be")
     assert_one_error(*call_cli("export", run_copy, "--out", blocker / "x.ply"), "cannot write")
 
-    # with --force a regular file is replaced, through a temp file in its folder (nothing left beside it)
+    # with --force an earlier export is replaced, through a temp file in its folder (nothing left beside it)
     out = tmp_path / "out.ply"
-    out.write_bytes(b"an older export")
+    code, err = call_cli("export", run_copy, "--out", out)
+    assert code == 0, err
+    first = out.stat().st_ino
     code, err = call_cli("export", run_copy, "--out", out, "--force")
     assert code == 0, err
+    assert out.stat().st_ino != first  # a new file renamed into place
     from gstrain.model import load_ply
 
     state = torch.load(run_copy / "ckpt" / "step_4.pt", weights_only=False)

@@ -74,10 +74,18 @@ def test_export_refuses_a_users_file_without_force(run_copy: Path, tmp_path: Pat
     before = _files(tmp_path)
     assert_one_error(*call_cli("export", run_copy, "--out", mine), "exists", "--force")
     assert _files(tmp_path) == before
-    # with --force the user asked for it: replaced, and the file keeps its mode (as open() would)
-    code, err = call_cli("export", run_copy, "--out", mine, "--force")
+    # --force replaces only what gstrain wrote: the user's file keeps its bytes and mode
+    assert_one_error(*call_cli("export", run_copy, "--out", mine, "--force"), "did not write", str(mine))
+    assert _files(tmp_path) == before
+    # gstrain's own export is replaced with --force, and keeps its mode (as open() would)
+    ours = tmp_path / "ours.ply"
+    code, err = call_cli("export", run_copy, "--out", ours)
     assert code == 0, err
-    assert mine.read_bytes().startswith(b"ply\n") and stat.S_IMODE(mine.stat().st_mode) == 0o644
+    ours.chmod(0o640)
+    first = ours.stat().st_ino
+    code, err = call_cli("export", run_copy, "--out", ours, "--force")
+    assert code == 0, err
+    assert ours.stat().st_ino != first and stat.S_IMODE(ours.stat().st_mode) == 0o640
     # the run's own export folder is gstrain's: the default export is replaced without --force
     for _ in range(2):
         code, err = call_cli("export", run_copy)

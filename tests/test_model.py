@@ -142,7 +142,8 @@ def test_ply_header_exact(tmp_path):
     names = ["x", "y", "z", "nx", "ny", "nz", "f_dc_0", "f_dc_1", "f_dc_2"]
     names += [f"f_rest_{i}" for i in range(45)]
     names += ["opacity", "scale_0", "scale_1", "scale_2", "rot_0", "rot_1", "rot_2", "rot_3"]
-    assert lines == ["ply", "format binary_little_endian 1.0", "element vertex 7"] + [
+    # gstrain's mark is a comment line after `format`: what lets a later --force replace the file
+    assert lines == ["ply", "format binary_little_endian 1.0", "comment written by gstrain", "element vertex 7"] + [
         f"property float {n}" for n in names
     ] + ["end_header"]
     assert path.stat().st_size == len("\n".join(lines)) + 1 + 7 * 4 * len(names)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -112,7 +113,7 @@ def test_resume_is_exact_with_pose_refine(scene, tmp_path):
     whole.fit()
     first = Trainer(config(30, True, stop_at=15), scene, tmp_path / "split", torch.device("cpu"), log=lambda m: None)
     assert first.fit().status == "stopped"
-    state = torch.load(tmp_path / "split" / "ckpt" / "step_15.pt", weights_only=True)
+    state = torch.load(tmp_path / "split" / "ckpt" / "step_15.pt", weights_only=True)["corrections"]
     assert set(state[STATE_KEY]) >= {"delta", "exp_avg", "exp_avg_sq", "updates", "extent"}
     assert state[STATE_KEY]["delta"].abs().sum() > 0
     second = Trainer(config(30, True), scene, tmp_path / "split", torch.device("cpu"), log=lambda m: None)
@@ -131,7 +132,7 @@ def test_render_and_eval_read_the_refined_training_poses(demo_scene, tmp_path):
                          "--set", "optim.pose_lr=0.01", "--set", "log.progress_every=10")  # fmt: skip
     assert code == 0, err
     opened = open_run(run, "cpu")
-    state = torch.load(opened.checkpoint, weights_only=True)[STATE_KEY]
+    state = torch.load(opened.checkpoint, weights_only=True)["corrections"][STATE_KEY]
     given = load_scene(demo_scene)
     delta = state["delta"].double().numpy()
     assert np.abs(delta).max() > 1e-4  # the poses moved
@@ -188,10 +189,10 @@ def test_known_answer_refinement_pulls_perturbed_poses_back(demo_scene, tmp_path
     for it in range(480):
         index = it % len(truth)
         view = moved[index]
-        viewmat = refiner.camera(it, index, view.viewmat)
+        viewmat = refiner.camera(view.viewmat, SimpleNamespace(index=index), it)
         image, _, _ = trainer.renderer(trainer.params, viewmat, view.K, view.width, view.height, 0,
                                        trainer.background)  # fmt: skip
         (image - view.image.float() / 255.0).abs().mean().backward()
-        refiner.optimizer_step(it)
+        refiner.after_step(it)
     rot, trans = pose_errors(refiner.refined(moved), truth, scene.extent)
     assert rot < 0.5 * before[0] and trans < 0.7 * before[1], (before, (rot, trans))

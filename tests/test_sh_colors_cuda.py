@@ -104,7 +104,7 @@ def test_a_render_with_fused_sh_equals_one_without():
     out = {}
     for fused in (False, True):
         cfg = build_config(overrides=[{"render": {"atomic_mode": "warp"}, "dev": {"fused_sh": fused}}])
-        renderer = Renderer(cfg.render, torch.device("cuda"))
+        renderer = Renderer(cfg.render, torch.device("cuda"), dev=cfg.dev)
         assert renderer.options.fused_sh == fused
         params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.cuda()) for k, v in base.items()})
         image, _, _ = renderer(params, viewmat, K, 96, 80, 3, torch.zeros(3, device="cuda"))

@@ -134,7 +134,7 @@ def test_canvas_step_equals_the_step_at_the_views_size(demo_scene, crop, antiali
     for name in ("view", "canvas"):
         cfg = build_config(overrides=[{"render": {"atomic_mode": "warp", "antialiased": antialiased},
                                        "dev": {"ellipse_cull": True}}])  # fmt: skip
-        renderer = Renderer(cfg.render, torch.device("cuda"))
+        renderer = Renderer(cfg.render, torch.device("cuda"), dev=cfg.dev)
         budget = PairBudget.on(torch.device("cuda"), 1 << 16)
         renderer.options = replace(renderer.options, pair_budget=budget,
                                    valid_size=valid if name == "canvas" else None)  # fmt: skip

@@ -6,6 +6,7 @@ Distorted cameras are undistorted to PINHOLE with pycolmap; images are downscale
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import os
 import time
@@ -23,6 +24,8 @@ from gstrain.data.scene import Scene, View
 from gstrain.errors import UserError
 
 _MODEL_FILES = ("cameras", "images", "points3D")
+# The smallest view side a downscale factor may leave (one tile of the rasterizer).
+MIN_IMAGE_SIDE = 16
 
 
 def load_scene(
@@ -31,11 +34,15 @@ def load_scene(
     test_every: int = 8,
     log: Callable[[str], None] | None = None,
     background: Sequence[float] | None = None,
+    max_side: int = 0,
+    lazy: bool = False,
 ) -> Scene:
     """Read a COLMAP scene: posed, undistorted, downscaled views split into train/test, plus SfM points.
 
     background is not used: a COLMAP image's alpha channel is its mask (data/masks.py), not
     something to composite (the registry, data/inputs.py, passes it to every format).
+    max_side: downscale further so the longer side is at most this (0: no limit). lazy: read only
+    the images' headers; the views are LazyViews that decode when asked (an image store does).
 
     Test views: images sorted by name, index i with i % test_every == 0 (none when test_every <= 0).
     Raises UserError with one line for any problem with the input.
@@ -63,20 +70,21 @@ def load_scene(
         raise UserError(f"the COLMAP model in {model_dir} has no posed images")
 
     _check_cameras(rec, images, model_dir)
+    _check_factor(rec, images, factor)
     image_dir, from_small_dir = _pick_image_dir(root, [im.name for im in images], factor, notes, say)
 
     # pycolmap's undistortion holds the GIL; PIL decoding and resizing do not, so threads still help.
     workers = max(1, min(8, os.cpu_count() or 1))
     masks = MaskReader(root, image_dir)
-    loader = ViewLoader(factor, from_small_dir, masks)
+    loader = ViewLoader(factor, from_small_dir, masks, max_side=max_side, lazy=lazy)
     sources = [
         ViewSource(im.name, image_dir / im.name, im.camera, im.cam_from_world().matrix()) for im in images
     ]
-    say(f"loading {len(images)} images from {image_dir} (factor {factor})")
+    say(f"{'reading the headers of' if lazy else 'loading'} {len(images)} images from {image_dir} (factor {factor})")
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(loader.load, sources))
-    say(f"loaded {len(images)} images in {time.perf_counter() - start:.1f} s")
+    say(f"{'read the headers of' if lazy else 'loaded'} {len(images)} images in {time.perf_counter() - start:.1f} s")
     views = [view for view, _ in results]
 
     undistorted = Counter(model for _, model in results if model is not None)
@@ -122,6 +130,32 @@ def find_model_dir(root: Path) -> Path:
                 raise UserError(f"incomplete COLMAP model in {cand}: missing {', '.join(missing)}")
     looked = " and ".join(str(c) for c in candidates)
     raise UserError(f"no COLMAP sparse model (cameras/images/points3D .bin or .txt) in {looked}")
+
+
+def _check_factor(rec: pycolmap.Reconstruction, images: list[pycolmap.Image], factor: int) -> None:
+    """Refuse a factor that shrinks a view below MIN_IMAGE_SIDE: a few pixels train nothing."""
+    for cam_id in sorted({im.camera_id for im in images}):
+        cam = rec.cameras[cam_id]
+        width, height = max(1, round(cam.width / factor)), max(1, round(cam.height / factor))
+        if min(width, height) < MIN_IMAGE_SIDE:
+            largest = max(1, min(cam.width, cam.height) // MIN_IMAGE_SIDE)
+            raise UserError(f"factor {factor} (--factor, data.factor) shrinks the {cam.width}x{cam.height} images "
+                            f"of camera {cam_id} to {width}x{height}; views need at least {MIN_IMAGE_SIDE} px "
+                            f"on a side (use a factor up to {largest})")
+
+
+def scene_digest(root: Path) -> str:
+    """sha256 of the scene's cameras and images files (intrinsics, poses, image names): the same
+    scene wherever its folder is. Points are left out: they do not change which views a run fits."""
+    model_dir = find_model_dir(root)
+    ext = ".bin" if (model_dir / "images.bin").is_file() else ".txt"
+    digest = hashlib.sha256()
+    for name in ("cameras", "images"):
+        try:
+            digest.update((model_dir / f"{name}{ext}").read_bytes())
+        except OSError as exc:
+            raise UserError(f"cannot read {model_dir / (name + ext)}: {exc.strerror or exc}") from None
+    return digest.hexdigest()
 
 
 def _read_model(model_dir: Path) -> pycolmap.Reconstruction:

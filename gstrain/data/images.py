@@ -2,7 +2,10 @@
 
 Shared by every input format (data/colmap.py, data/transforms.py): a format says which file, which
 pycolmap camera (any model pycolmap can undistort) and which world-to-camera pose; this module does
-the pixels the same way for all of them.
+the pixels the same way for all of them. A view's header says what it needs (an ImageRecipe: size,
+resize, undistortion; cheap); the decode is ImageRecipe.pixels. A lazy scene (data.images_on = host
+| disk) keeps LazyViews and decodes in the image store (data/image_store.py), so start-up reads
+headers only. data.max_side caps the longer side after the factor, said in one note.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import copy
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +55,10 @@ class ViewLoader:
     def __init__(
         self, factor: int, prescaled: bool, masks: MaskReader,
         composite_over: Sequence[float] | None = None, camera_label: str = "COLMAP camera",
+        max_side: int = 0, lazy: bool = False,
     ) -> None:
+        self.max_side = max_side  # 0: no limit (data.max_side)
+        self.lazy = lazy  # keep recipes (LazyView), decode later: data.images_on = host | disk
         self.masks = masks
         self.factor = factor
         self.prescaled = prescaled
@@ -63,6 +69,8 @@ class ViewLoader:
         self.size_mismatch: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
         self.alpha: list[str] = []  # images with an alpha channel (a mask, or composited)
         self.grey: list[str] = []  # single-channel images spread to RGB
+        # name -> (size after factor, size after max_side) of the images data.max_side shrank
+        self.limited: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
 
     def notes(self) -> list[str]:
         """One line per thing done to the images that the user did not ask for."""
@@ -86,18 +94,23 @@ class ViewLoader:
                 what = "resized to the camera's size before training (intrinsics kept)"
             out.append(f"{len(self.size_mismatch)} images differ in size from their {self.camera_label} "
                        f"(e.g. {name}: {w}x{h}, camera {cw}x{ch}); {what}")
+        if self.limited:
+            name = min(self.limited)
+            (w, h), (lw, lh) = self.limited[name]
+            out.append(f"data.max_side={self.max_side}: {len(self.limited)} images downscaled so their "
+                       f"longer side is at most {self.max_side} px (e.g. {name}: {w}x{h} -> {lw}x{lh})")
         return out
 
     def load(self, source: ViewSource) -> tuple[View, str | None]:
-        """The view, and the distorted model name when it was undistorted (else None)."""
+        """The view, and the distorted model name when it was undistorted (else None). A lazy
+        loader reads the file's header only: its LazyView decodes when asked (the image store)."""
         file = source.file
-        pil, mode = decode(file, self.composite_over)
+        (w, h), mode = probe_file(file)
         if mode in ALPHA_MODES:
             self.alpha.append(source.name)
         if mode in _GREY_MODES:
             self.grey.append(source.name)
         cam: pycolmap.Camera = copy.copy(source.camera)
-        w, h = pil.size
         # Images and cameras must agree on aspect ratio; more than ~2 px off means the wrong files.
         sx, sy = w / cam.width, h / cam.height
         if abs(sx - sy) * max(cam.width, cam.height) > 2.0:
@@ -113,10 +126,10 @@ class ViewLoader:
             if (w, h) != (cam.width, cam.height):
                 self.size_mismatch[source.name] = ((w, h), (cam.width, cam.height))
             target = (max(1, round(cam.width / self.factor)), max(1, round(cam.height / self.factor)))
-        if (w, h) != target:
-            # Area averaging (BOX) is the antialiased downscale; K follows the actual size ratio.
-            pil = pil.resize(target, Image.Resampling.BOX)
-        pixels = np.asarray(pil)
+        limited = fit_max_side(target, self.max_side)
+        if limited != target:
+            self.limited[source.name] = (target, limited)
+            target = limited
 
         camera_size = (cam.width, cam.height)
         distorted = cam.model_name not in PINHOLE_MODELS
@@ -125,35 +138,135 @@ class ViewLoader:
             # within ~1/255 mean abs (checked on the beer scene), and factor^2 less undistortion work.
             cam.rescale(target[0], target[1])
             try:
-                out, pin = pycolmap.undistort_image(self.options, pycolmap.Bitmap.from_array(pixels), cam)
+                pin = pycolmap.undistort_camera(self.options, cam)
             except Exception as exc:
                 raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
-            pixels = np.ascontiguousarray(out.to_array()).reshape(pin.height, pin.width, -1)
             K = pin.calibration_matrix()
+            size = (int(pin.width), int(pin.height))
         else:
             K = cam.calibration_matrix().copy()
             # COLMAP puts the top-left pixel centre at (0.5, 0.5), so plain scaling keeps centres aligned.
             K[0, :] *= target[0] / cam.width
             K[1, :] *= target[1] / cam.height
-
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
-        if pixels.shape[2] == 1:
-            pixels = np.repeat(pixels, 3, axis=2)
+            size = target
+        recipe = ImageRecipe(file, target, size, cam if distorted else None, self.composite_over)
 
         # masks: same resize and undistortion as the image (data/masks.py)
         mask = self.masks.load(source.mask_name or source.name, file, (w, h), camera_size, target,
                                cam if distorted else None)
         viewmat = np.eye(4)
         viewmat[:3, :] = source.cam_from_world
-        view = View(
-            name=source.name,
-            image=torch.from_numpy(np.array(pixels[:, :, :3], dtype=np.uint8, order="C")),
-            K=torch.from_numpy(K.astype(np.float32)),
-            viewmat=torch.from_numpy(viewmat.astype(np.float32)),
-            mask=mask,
-        )
+        K_t = torch.from_numpy(K.astype(np.float32))
+        viewmat_t = torch.from_numpy(viewmat.astype(np.float32))
+        view: View
+        if self.lazy:
+            view = LazyView(source.name, recipe, K_t, viewmat_t, mask)
+        else:
+            view = View(name=source.name, image=recipe.pixels(), K=K_t, viewmat=viewmat_t, mask=mask)
         return view, (source.camera.model_name if distorted else None)
+
+
+def file_mode(img: Image.Image) -> str:
+    """The mode the loader reports for an opened file, known from its header: a palette with a
+    transparent colour counts as "RGBA", 16-bit and float grey as "L"."""
+    if img.mode == "P" and "transparency" in img.info:
+        return "RGBA"
+    if img.mode.startswith("I;16") or img.mode in ("I", "F"):
+        return "L"
+    return img.mode
+
+
+def probe_file(file: Path) -> tuple[tuple[int, int], str]:
+    """((width, height), mode) from the file's header, without decoding its pixels."""
+    try:
+        with Image.open(file) as img:
+            return img.size, file_mode(img)
+    except DECODE_ERRORS as exc:
+        raise UserError(f"cannot decode image {file}: {_reason(exc, file)}") from None
+
+
+def fit_max_side(size: tuple[int, int], max_side: int) -> tuple[int, int]:
+    """`size` (width, height) scaled down so its longer side is at most max_side (0: no limit),
+    keeping the aspect ratio as closely as whole pixels allow."""
+    w, h = size
+    if max_side <= 0 or max(w, h) <= max_side:
+        return size
+    scale = max_side / max(w, h)
+    return max(1, min(max_side, round(w * scale))), max(1, min(max_side, round(h * scale)))
+
+
+@dataclass(frozen=True)
+class ImageRecipe:
+    """How to make one view's pixels: decode `file` (compositing alpha over `composite_over` when
+    set), resize to `target` (area averaging), then undistort with `camera` (the distorted camera
+    rescaled to `target`; None for pinhole ones). `size` is the result's (width, height), known
+    without decoding."""
+
+    file: Path
+    target: tuple[int, int]
+    size: tuple[int, int]
+    camera: pycolmap.Camera | None = field(default=None, compare=False)
+    composite_over: np.ndarray | None = field(default=None, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Decoded uint8 RGB bytes."""
+        return self.size[0] * self.size[1] * 3
+
+    def pixels(self) -> torch.Tensor:
+        """[H, W, 3] uint8 on the CPU. Safe to call from several threads."""
+        pil, _ = decode(self.file, self.composite_over)
+        if pil.size != self.target:
+            # Area averaging (BOX) is the antialiased downscale; K follows the actual size ratio.
+            pil = pil.resize(self.target, Image.Resampling.BOX)
+        pixels = np.asarray(pil)
+        if self.camera is not None:
+            options = pycolmap.UndistortCameraOptions()
+            try:
+                out, pin = pycolmap.undistort_image(options, pycolmap.Bitmap.from_array(pixels), self.camera)
+            except Exception as exc:
+                raise UserError(f"cannot undistort {self.file} ({self.camera.model_name}): {exc}") from None
+            pixels = np.ascontiguousarray(out.to_array()).reshape(pin.height, pin.width, -1)
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+        if pixels.shape[2] == 1:
+            pixels = np.repeat(pixels, 3, axis=2)
+        return torch.from_numpy(np.array(pixels[:, :, :3], dtype=np.uint8, order="C"))
+
+
+class LazyView(View):
+    """A view that keeps its recipe instead of its pixels: `image` decodes on every access (not
+    kept), width and height come from the recipe. Training reads it through an image store."""
+
+    def __init__(self, name: str, recipe: ImageRecipe, K: torch.Tensor, viewmat: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> None:
+        self.recipe = recipe
+        super().__init__(name=name, image=None, K=K, viewmat=viewmat, mask=mask)  # type: ignore[arg-type]
+
+    @property  # type: ignore[override]
+    def image(self) -> torch.Tensor:
+        return self.recipe.pixels()
+
+    @image.setter
+    def image(self, value: torch.Tensor | None) -> None:
+        if value is not None:  # View.__init__ sets None; anything else would be silently dropped
+            raise AttributeError("a LazyView's pixels come from its recipe")
+
+    @property
+    def width(self) -> int:
+        return self.recipe.size[0]
+
+    @property
+    def height(self) -> int:
+        return self.recipe.size[1]
+
+    def __repr__(self) -> str:  # the dataclass repr would decode the image
+        return f"LazyView(name={self.name!r}, file={str(self.recipe.file)!r}, size={self.recipe.size})"
+
+
+def view_shape(view: View) -> tuple[int, int, int]:
+    """(H, W, 3) of a view's image, without decoding a lazy one."""
+    return view.height, view.width, 3
 
 
 def decode(file: Path, composite_over: np.ndarray | None = None) -> tuple[Image.Image, str]:
@@ -174,8 +287,11 @@ def decode(file: Path, composite_over: np.ndarray | None = None) -> tuple[Image.
                 return _composite(np.asarray(img.convert("RGBA")), composite_over), mode
             return img.convert("RGB"), mode
     except DECODE_ERRORS as exc:
-        reason = str(exc).replace(f" '{file}'", "").strip() or type(exc).__name__
-        raise UserError(f"cannot decode image {file}: {reason}") from None
+        raise UserError(f"cannot decode image {file}: {_reason(exc, file)}") from None
+
+
+def _reason(exc: BaseException, file: Path) -> str:
+    return str(exc).replace(f" '{file}'", "").strip() or type(exc).__name__
 
 
 def _composite(rgba: np.ndarray, background: np.ndarray) -> Image.Image:

@@ -2,7 +2,7 @@
 
 Every command that reads a scene (fit, eval, render, view, profile) comes through load_scene here.
 A format is a module with recognise(root) -> bool and load_scene(root, factor, test_every, log,
-background) -> Scene; adding one is a module and a line in FORMATS. The first format that
+background, max_side, lazy) -> Scene; adding one is a module and a line in FORMATS. The first format that
 recognises the folder reads it (COLMAP first, as graphdeco's loader does).
 """
 
@@ -29,11 +29,15 @@ def load_scene(
     test_every: int = 8,
     log: Callable[[str], None] | None = None,
     background: Sequence[float] = (0.0, 0.0, 0.0),
+    max_side: int = 0,
+    lazy: bool = False,
 ) -> Scene:
     """Read the scene folder in whichever format it is; UserError (one line) for any bad input.
 
     background: RGB in 0..1 that transparent pixels are composited over where the format does that
     (transforms.json); COLMAP scenes keep alpha as a mask (data/masks.py).
+    max_side: cap the longer side of every image (after factor) at this many pixels (0: no limit).
+    lazy: read image headers only; the views decode on demand (data.images_on = host | disk).
     """
     root = Path(path).expanduser()
     if not root.exists():
@@ -42,6 +46,8 @@ def load_scene(
         raise UserError(f"scene path is not a directory: {root}")
     if isinstance(factor, bool) or not isinstance(factor, numbers.Integral) or factor < 1:
         raise UserError(f"factor must be an integer >= 1, got {factor!r}")
+    if isinstance(max_side, bool) or not isinstance(max_side, numbers.Integral) or max_side < 0:
+        raise UserError(f"max_side must be an integer >= 0 (0: no limit), got {max_side!r}")
     found = [module for _, module in FORMATS if module.recognise(root)]
     if not found:
         raise UserError(
@@ -49,7 +55,8 @@ def load_scene(
             f"{root / 'sparse' / '0'} or {root / 'sparse'}, and no {transforms.SINGLE_FILE} or "
             f"{transforms.SPLIT_FILES['train']}"
         )
-    scene = found[0].load_scene(root, factor=int(factor), test_every=test_every, log=log, background=background)
+    scene = found[0].load_scene(root, factor=int(factor), test_every=test_every, log=log, background=background,
+                                max_side=int(max_side), lazy=lazy)
     if len(found) > 1:
         scene.notes.append(f"{root} holds more than one scene format; read it as {FORMATS[0][0]}")
     return scene

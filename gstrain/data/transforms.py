@@ -45,8 +45,11 @@ def load_scene(
     test_every: int = 8,
     log: Callable[[str], None] | None = None,
     background: Sequence[float] = (0.0, 0.0, 0.0),
+    max_side: int = 0,
+    lazy: bool = False,
 ) -> Scene:
-    """Read the scene's frames, images and optional ply points; UserError (one line) on bad input."""
+    """Read the scene's frames, images and optional ply points; UserError (one line) on bad input.
+    max_side and lazy as in data/colmap.py's load_scene."""
     say = log or (lambda _msg: None)
     root = Path(os.path.abspath(root))  # not resolve(): an images/ symlink stays inside the scene
     notes: list[str] = []
@@ -73,12 +76,13 @@ def load_scene(
     _check_unique(sources)
 
     masks = MaskReader(root, image_dir, alpha_masks=False)
-    loader = ViewLoader(factor, prescaled, masks, composite_over=background, camera_label="transforms.json camera")
-    say(f"loading {len(sources)} images (factor {factor})")
+    loader = ViewLoader(factor, prescaled, masks, composite_over=background, camera_label="transforms.json camera",
+                        max_side=max_side, lazy=lazy)
+    say(f"{'reading the headers of' if lazy else 'loading'} {len(sources)} images (factor {factor})")
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
         results = list(pool.map(loader.load, sources))
-    say(f"loaded {len(sources)} images in {time.perf_counter() - start:.1f} s")
+    say(f"{'read the headers of' if lazy else 'loaded'} {len(sources)} images in {time.perf_counter() - start:.1f} s")
     views = [view for view, _ in results]
 
     notes.insert(0, f"read a {' and '.join(sorted(forms))} transforms.json scene")

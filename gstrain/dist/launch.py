@@ -50,8 +50,17 @@ def init_from_env(device: torch.device, timeout_s: float, backend: str = "auto")
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    except (dist.DistError, RuntimeError, ValueError) as exc:  # the rendezvous: peers, store, address
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise UserError(f"rank {rank}: cannot set up the {backend} process group of {world} ranks at {where} "
+                        f"within dist.timeout_s={timeout_s:g}s ({type(exc).__name__}: {_first_line(exc)})") from None
     return rank, world, device
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or ["no message"])[0][:200]
 
 
 @contextlib.contextmanager
@@ -60,9 +69,9 @@ def collective_errors(rank: int, timeout_s: float) -> Iterator[None]:
     try:
         yield
     except (dist.DistError, RuntimeError) as exc:
-        first = (str(exc).strip().splitlines() or ["no message"])[0][:200]
         raise UserError(f"rank {rank}: distributed training stopped: another rank died or a collective "
-                        f"waited past dist.timeout_s={timeout_s:g}s ({type(exc).__name__}: {first})") from None
+                        f"waited past dist.timeout_s={timeout_s:g}s ({type(exc).__name__}: {_first_line(exc)})"
+                        ) from None
 
 
 def on_rank_zero(fn: Callable[[], None]) -> None:

@@ -40,9 +40,10 @@ class ShardedEngine:
         ctx, b, world = self.ctx, self.ctx.batch_size, self.ctx.shard.world
         runner, views = ctx.runner, ctx.views
         with ctx.timer.phase("data"):
-            idx = [ctx.sampler.next() for _ in range(b)]
+            idx = views.draw(ctx.sampler, b)
             cams = [views.cams[i] for i in idx]
-            sizes = [tuple(views.images[i].shape[:2]) for i in idx]
+            shapes = views.shapes()
+            sizes = [tuple(shapes[i][:2]) for i in idx]
             batch = ViewBatch(_stacked([c[0] for c in cams]), _stacked([c[1] for c in cams]),
                               [w for _, w in sizes], [h for h, _ in sizes], ctx.shard.homes(idx))  # fmt: skip
         with ctx.timer.phase("forward"):

@@ -82,6 +82,7 @@ class DistTrainer(Trainer):
         # rows of the partitioned model in the whole model's order before it (rank-major)
         self.row_order = torch.arange(0)
         self.loads: list[float] = [0.0] * self.world  # every rank's, as of the last agreement
+        self.partition_used = cfg.dist.partition  # the last plan's: views may fall back to locality
         with collective_errors(self.rank, cfg.dist.timeout_s):
             for p in self.params.values():  # rank 0 decides the initial model
                 dist.broadcast(p.data, 0)
@@ -112,12 +113,14 @@ class DistTrainer(Trainer):
         """(order, rows per rank) by dist.partition, from every row's mean and load (rank-major)
         and the profile of this process's rows (from `offset`); `collective`: every rank plans."""
         cfg = self.cfg
+        self.partition_used = cfg.dist.partition
         if cfg.dist.partition != "views":
             return plan_order(cfg.dist.partition, means, load, self.world, cfg.train.seed, cfg.dist.count_weight)
         reduce, gather = (self._sum_over_ranks, self._gather_rows) if collective else (lambda t: t, lambda t: t)
         order, rows, kept = views_plan(prof, means, load, offset, self.world, cfg.dist.count_weight,
                                        cfg.dist.max_imbalance, reduce, gather)  # fmt: skip
         if not kept:
+            self.partition_used = "locality"
             self.log(f"gstrain: dist.partition=views would leave a rank over {cfg.dist.max_imbalance}x the mean "
                      "load or Gaussian count, worse than locality; partitioned by locality instead")  # fmt: skip
         return order, rows
@@ -140,7 +143,7 @@ class DistTrainer(Trainer):
         self.row_order = order
         start = sum(rows[: self.rank])
         self.load_state_dict(select_rows(self.state_dict(), order[start : start + rows[self.rank]]))
-        self.log(f"gstrain: {self.world} ranks, dist.partition={self.cfg.dist.partition}: "
+        self.log(f"gstrain: {self.world} ranks, dist.partition={self.partition_used}: "
                  f"Gaussians per rank {rows}")  # fmt: skip
 
     def repartition(self) -> None:
@@ -178,6 +181,7 @@ class DistTrainer(Trainer):
             return False
         path = Path(state.get(SOURCE_KEY, ""))
         if SOURCE_KEY in state and int(read_manifest(path)["world"]) == self.world:
+            self.partition_used = read_manifest(path).get("partition", self.partition_used)
             # same world size: each rank takes its own shard back (a bit-identical continuation)
             state = load_own_shard(path, self.rank)
             self.load_state_dict(state)
@@ -191,7 +195,7 @@ class DistTrainer(Trainer):
         rows: list[Any] = [None] * self.world
         dist.all_gather_object(rows, len(self.params["means"]))
         return save_sharded(self.run_dir, self.step, self.state_dict(), self.rank, self.world, rows,
-                            self.cfg.dist.partition, keep=self.cfg.log.keep_ckpts)  # fmt: skip
+                            self.partition_used, keep=self.cfg.log.keep_ckpts)  # fmt: skip
 
     @contextmanager
     def _whole_model(self):

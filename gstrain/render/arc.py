@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 # Thresholds are lane counts (1..32); 1 reduces whenever any lane contributes (= warp mode).
-# On an H200 (docs/benchmarks.md) the best T was 8 with scalar atomics and 16-24 with the default
+# On an H200 (bench/NOTES.md, vector atomics) the best T was 8 with scalar atomics and 16-24 with the default
 # vector atomics; T <= 2 and T = 32 never won, so the round spends no calls on them.
 DEFAULT_CANDIDATES: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
 DEFAULT_THRESHOLD = 8

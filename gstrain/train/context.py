@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gstrain.data.image_store import TrainImages, image_shapes
 from gstrain.train.masking import ViewMask
 from gstrain.train.step import StepRunner, StepView
 from gstrain.train.strategies.base import Strategy
@@ -18,10 +19,15 @@ from gstrain.train.timing import PhaseTimer
 
 @dataclass
 class TrainViews:
-    """The training views on the training device: images as uint8 (a quarter of float32,
-    converted per step), cameras (viewmat, K) and masks (None: every pixel)."""
+    """The training views: images as uint8 on the training device (a quarter of float32,
+    converted per step), cameras (viewmat, K) and masks (None: every pixel).
 
-    images: list[Tensor]
+    images: a list of resident tensors, or TrainImages (data/image_store.py) over the store that
+    data.images_on chose, whose indexing fetches one image (host: its copy started a step ahead;
+    disk: decoded by worker threads in the sampler's order). Engines draw through draw(), which
+    tells the store what comes next, and read sizes through shapes(), which fetches nothing."""
+
+    images: TrainImages | list[Tensor]
     cams: list[tuple[Tensor, Tensor]]
     masks: list[ViewMask | None]
 
@@ -32,6 +38,27 @@ class TrainViews:
     def step_view(self, idx: int) -> StepView:
         viewmat, K = self.cams[idx]
         return StepView(viewmat, K, self.target(idx), self.masks[idx], index=idx)
+
+    def draw(self, sampler: Any, count: int = 1) -> list[int]:
+        """The next `count` view indices from the sampler. A store fetches their images (kept for
+        the step's reads), then starts fetching the views after them, in the order the sampler
+        will draw them (ViewSampler.peek)."""
+        drawn = [sampler.next() for _ in range(count)]
+        if isinstance(self.images, TrainImages):
+            for idx in drawn:  # this step's first (the store keeps them for the step's reads)
+                self.images[idx]
+        self.prefetch(sampler)
+        return drawn
+
+    def prefetch(self, sampler: Any) -> None:
+        """Start fetching the views the sampler will draw next (before the first step, so that it
+        does not wait for its images either); nothing for resident images."""
+        if isinstance(self.images, TrainImages):
+            self.images.prefetch(sampler.peek(self.images.lookahead))
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each training image's (H, W, 3), without fetching any."""
+        return image_shapes(self.images)
 
 
 @dataclass
@@ -70,3 +97,8 @@ class StepContext:
     @property
     def renderer(self) -> Any:
         return self.runner.renderer
+
+    @property
+    def corrections(self) -> list[Any]:
+        """The per-view corrections every engine's step applies (corrections.ViewCorrection; the runner's)."""
+        return self.runner.corrections

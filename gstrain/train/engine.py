@@ -66,7 +66,7 @@ class EagerEngine:
     def step(self, step: int) -> StepResult:
         ctx = self.ctx
         with ctx.timer.phase("data"):
-            views = [ctx.views.step_view(ctx.sampler.next()) for _ in range(ctx.batch_size)]
+            views = [ctx.views.step_view(idx) for idx in ctx.views.draw(ctx.sampler, ctx.batch_size)]
         return ctx.runner.run(ctx.params, ctx.optimizers, step, views, ctx.sh_degree(step), ctx.background,
                               scheduler=ctx.scheduler)  # fmt: skip
 
@@ -90,8 +90,7 @@ def choose_engine(ctx: StepContext) -> str:
     exchange to itself, so it runs the plain engines."""
     if ctx.shard is not None and ctx.shard.world > 1:
         return "sharded"
-    # a captured step replays fixed cameras and images: per-view corrections run eagerly
-    if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device) and not ctx.runner.corrections:
+    if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device):  # (none with per-view corrections)
         return "graph"
     return "batch" if ctx.batch_size > 1 else "eager"
 

@@ -67,10 +67,10 @@ def capacity_class(n: int) -> int:
     return power * 3 // 4 if power * 3 // 4 >= n else power
 
 
-def canvas_of(images: list[Tensor], fused_loss: bool) -> tuple[int, ...] | None:
+def canvas_of(image_shapes: list[tuple[int, ...]], fused_loss: bool) -> tuple[int, ...] | None:
     """The canvas shape (the largest height, width) when the steps run on one: views of several
     sizes and the fused loss (the only one that takes a valid size); else None (a graph per size)."""
-    shapes = {tuple(i.shape) for i in images}
+    shapes = set(image_shapes)
     if len(shapes) < 2 or not fused_loss:
         return None
     return (max(s[0] for s in shapes), max(s[1] for s in shapes), *next(iter(shapes))[2:])
@@ -104,7 +104,8 @@ class GraphEngine:
         n_scalars = 2 * len(ctx.optimizers) + 1  # Adam's pairs, then the step's tag
         self.scalars = torch.zeros(n_scalars, device=self.device)
         self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])  # the shared tag and flag
-        self.canvas = canvas_of(ctx.views.images, bool(ctx.cfg.dev.fused_ssim))
+        self.shapes = ctx.views.shapes()  # read once: a store's shapes come without fetching
+        self.canvas = canvas_of(self.shapes, bool(ctx.cfg.dev.fused_ssim))
         # per group (an image size; on the canvas a view): pair statistics on the device
         # (PairBudget.pair_sum; on the canvas rows of one [views, 3] tensor, the row chosen on the
         # device), the most pairs it has had as the host knows it, and its pair capacity
@@ -114,7 +115,7 @@ class GraphEngine:
         self.view_stats: Tensor | None = None
         on_gpu = self.device.type == "cuda"  # (the policy and the bookkeeping also run on the CPU, in tests)
         if self.canvas is not None:
-            self.view_stats = torch.zeros((len(ctx.views.images), 3), dtype=torch.int64, device=self.device)
+            self.view_stats = torch.zeros((len(self.shapes), 3), dtype=torch.int64, device=self.device)
             self.group_stats = dict(enumerate(self.view_stats))
         # on the canvas: the view's width, height and index, refilled before each replay
         self.view_ints = torch.zeros(3, dtype=torch.int32, device=self.device)
@@ -140,7 +141,7 @@ class GraphEngine:
 
     # ----------------------------------------------------------------- engine
     def step(self, step: int) -> StepResult:
-        return self.run(step, self.ctx.sampler.next())
+        return self.run(step, self.ctx.views.draw(self.ctx.sampler)[0])
 
     def state_replaced(self) -> None:
         self.warm = False  # new tensors: the next step runs eagerly, then captures
@@ -181,7 +182,7 @@ class GraphEngine:
     def _group(self, idx: int) -> Any:
         """The key pair statistics and capacities are kept under: view idx's image size, or on the
         canvas the view itself."""
-        return idx if self.canvas is not None else tuple(self.ctx.views.images[idx].shape)
+        return idx if self.canvas is not None else self.shapes[idx]
 
     def _fit(self, pairs: float) -> int:
         """A capacity for `pairs`: rounded up, on the canvas to its capacity class."""
@@ -254,7 +255,7 @@ class GraphEngine:
         # the target by index: the graph's image input holds a later view by the time it is read
         if self.canvas is None:
             return replace(entry.outputs, target=idx)
-        height, width = self.ctx.views.images[idx].shape[:2]  # the view's part of the canvas
+        height, width = self.shapes[idx][:2]  # the view's part of the canvas
         return replace(entry.outputs, image=entry.outputs.image[:height, :width], target=idx)
 
     def _budget(self, group: Any, capacity: int) -> PairBudget:
@@ -282,7 +283,7 @@ class GraphEngine:
         viewmat, K = t.views.cams[idx]
         image = t.views.images[idx]
         if self.image_buffer is None:  # every size's image input is a view of one buffer
-            largest = max(i.numel() for i in t.views.images) if self.canvas is None else math.prod(self.canvas)
+            largest = max(math.prod(s) for s in self.shapes) if self.canvas is None else math.prod(self.canvas)
             self.image_buffer = torch.zeros(largest, dtype=image.dtype, device=image.device)
             self.camera = {"viewmat": viewmat.clone(), "K": K.clone()}
         shape = self.canvas if self.canvas is not None else tuple(image.shape)
@@ -403,8 +404,9 @@ class GraphEngine:
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
     """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
-    single-view steps."""
+    single-view steps, no per-view correction (its Adam and view index are not graph-safe)."""
     return (
         bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
         and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
+        and not getattr(runner, "corrections", None)
     )  # fmt: skip

@@ -33,10 +33,11 @@ from torch import Tensor
 
 from gstrain.data.scene import View
 from gstrain.errors import UserError
+from gstrain.train.corrections import saved_correction
 
 _BETAS = (0.9, 0.999)
 _EPS = 1e-15
-STATE_KEY = "pose_refine"  # the checkpoint's entry
+STATE_KEY = "pose_refine"  # its name among the checkpoint's corrections (train/corrections.py)
 
 
 def correction_matrices(delta: Tensor, extent: float, pivots: Tensor) -> Tensor:
@@ -75,6 +76,8 @@ class PoseRefiner:
     """The training views' pose corrections and their per-view Adam (a ViewCorrection,
     train/corrections.py)."""
 
+    name = STATE_KEY
+
     def __init__(self, pivots: Tensor, extent: float, cfg: Any, device: torch.device) -> None:
         n_views = len(pivots)
         self.extent = float(extent)
@@ -88,17 +91,18 @@ class PoseRefiner:
         self._rendered: list[int] = []  # the views this step rendered through a correction
 
     # ------------------------------------------------------------ ViewCorrection
-    def camera(self, step: int, index: int, viewmat: Tensor) -> Tensor:
-        if step < self.start:
+    def camera(self, viewmat: Tensor, view: Any, step: int) -> Tensor:
+        index = view.index
+        if step < self.start or index is None:
             return viewmat
         self._rendered.append(index)
         fix = correction_matrices(self.delta[index : index + 1], self.extent, self.pivots[index : index + 1])[0]
         return fix.to(viewmat) @ viewmat
 
-    def image(self, step: int, index: int, image: Tensor) -> Tensor:
+    def image(self, image: Tensor, view: Any) -> Tensor:
         return image
 
-    def optimizer_step(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         rendered, self._rendered = sorted(set(self._rendered)), []
         grad = self.delta.grad
         self.delta.grad = None
@@ -146,6 +150,11 @@ class PoseRefiner:
         return refined_views(views, self.state_dict())
 
 
+def pose_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The pose corrections a checkpoint holds (None: the run did not refine poses)."""
+    return saved_correction(checkpoint, STATE_KEY)
+
+
 def refined_views(views: Sequence[View], state: dict[str, Any] | None) -> list[View]:
     """`views` (a run's training views, in training order) with the corrections of a checkpoint's
     STATE_KEY entry applied; unchanged when `state` is None (a run without train.pose_refine)."""
@@ -164,14 +173,10 @@ def refined_views(views: Sequence[View], state: dict[str, Any] | None) -> list[V
 def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, renderer: Any, runner: Any,
                         device: torch.device, log: Any = print) -> PoseRefiner | None:  # fmt: skip
     """With train.pose_refine: a PoseRefiner on the step's corrections (None without). The paths
-    that cannot give viewmat gradients are switched off, each with one line: our fused SH kernel
-    (SH colours go through gsplat's) and the CUDA-graph engine (the eager engine runs)."""
+    that cannot give viewmat gradients are switched off: our fused SH kernel (SH colours go through
+    gsplat's, said in one line); the CUDA-graph engine runs no correction (graph_step.graphs_possible)."""
     if not cfg.train.pose_refine:
         return None
-    from gstrain.train.graph_step import graphs_possible
-
-    if graphs_possible(cfg, renderer, runner, device):
-        log("gstrain: train.pose_refine: the eager engine runs the steps (CUDA graphs do not refine poses)")
     if renderer.backend == "cuda" and renderer.options.fused_sh:
         log("gstrain: train.pose_refine: SH colours through gsplat (the fused SH kernel has no camera gradient)")
         renderer.options = dataclasses.replace(renderer.options, fused_sh=False)

@@ -12,6 +12,7 @@ import torch
 from gstrain.data.scene import View
 from gstrain.metrics import Metrics, metric_target
 from gstrain.render.sh import sh_degree_at
+from gstrain.train.appearance import fitted_half, scores_right_half
 from gstrain.train.optim import current_lrs
 
 
@@ -24,6 +25,10 @@ def memory_text(device: torch.device) -> str:
         return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}G"
     except Exception:  # noqa: BLE001 - memory display is best effort
         return "?"
+
+
+def _db(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "n/a"
 
 
 class RunReporting:
@@ -67,7 +72,8 @@ class RunReporting:
                 self.log(f"gstrain: initial test PSNR {metrics['psnr']:.2f} dB over {len(self.scene.test)} views")
             else:
                 self._log_test(step, metrics)
-                bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f}")
+                bar.write(f"step {step}: test PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f} (raw render); "
+                          f"fitted on the left half, right half scored: PSNR {_db(metrics['psnr_fitted_half'])}")
         return metrics
 
     def watch(self, viewer: Any, refresh_every: int) -> None:
@@ -114,22 +120,28 @@ class RunReporting:
         if scores is None:
             return None
         self.record.last_test_views = (self.step, scores["views_psnr"])
-        return {"psnr": scores["psnr"], "ssim": scores["ssim"]}
+        return {"psnr": scores["psnr"], "ssim": scores["ssim"], "psnr_fitted_half": scores["psnr_fitted_half"],
+                "ssim_fitted_half": scores["ssim_fitted_half"]}  # fmt: skip
 
     @torch.no_grad()
     def score_views(self, views: list[View]) -> dict[str, Any] | None:
-        """Mean PSNR / SSIM over `views`, and each view's PSNR by name; None for no views."""
+        """Mean PSNR / SSIM over `views` of the raw render, and each view's PSNR by name; also
+        PSNR / SSIM under the fitted_half protocol (train/appearance.py); None for no views."""
         if not views:
             return None
-        metrics = Metrics(self.device, lpips=False)
+        metrics, fitted = Metrics(self.device, lpips=False), Metrics(self.device, lpips=False)
         for view in views:
             # masks: kept pixels only (ignore) or against the composited target (background)
             gt, keep = metric_target(view.image.to(self.device).float() / 255.0, view.mask,
                                      self.cfg.data.mask_mode, self.background)  # fmt: skip
-            metrics.add(self.render_view(view), gt, keep)
-        summary = metrics.summary()
+            image = self.render_view(view)
+            metrics.add(image, gt, keep)
+            if scores_right_half(keep):
+                fitted.add(*fitted_half(image, gt, keep))
+        summary, half = metrics.summary(), fitted.summary()
         per_view = {v.name: round(r["psnr"], 3) for v, r in zip(views, summary["per_image"], strict=True)}
-        return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view}
+        return {"psnr": summary["psnr"], "ssim": summary["ssim"], "views_psnr": per_view,
+                "psnr_fitted_half": half["psnr"], "ssim_fitted_half": half["ssim"]}  # fmt: skip
 
     def active_sh_degree(self, step: int | None = None) -> int:
         """The SH degree at `step` (None: the current one)."""
@@ -181,6 +193,8 @@ class RunReporting:
     def _log_test(self, step: int, metrics: dict[str, float]) -> None:
         self._tb().add_scalar("test/psnr", metrics["psnr"], step)
         self._tb().add_scalar("test/ssim", metrics["ssim"], step)
+        if metrics["psnr_fitted_half"] is not None:
+            self._tb().add_scalar("test/psnr_fitted_half", metrics["psnr_fitted_half"], step)
         for view in self.scene.test[:2]:
             image = self.render_view(view)
             self._tb().add_image(f"test/{view.name}", image.permute(2, 0, 1).cpu(), step)

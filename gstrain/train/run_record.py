@@ -93,8 +93,11 @@ def write_run_record(
         "initial_test_psnr": result.initial_test_psnr,
         "final_test_psnr": result.final_test_psnr,
         "final_test_ssim": final["ssim"] if final else None,
+        # test views have no learned correction: the raw render above, and the fitted_half protocol
+        # (a colour transform fitted on each view's left half, its right half scored; train/appearance.py)
+        "final_test_psnr_fitted_half": final.get("psnr_fitted_half") if final else None,
         "final_train_psnr": result.final_train_psnr,
-        "test_history": record.test_history,  # {step, psnr, ssim} at step 0 and every evaluation
+        "test_history": record.test_history,  # {step, psnr, ssim, *_fitted_half} at step 0 and every evaluation
         "final_test_views_psnr": test_views[1] if final and test_views and test_views[0] == result.step else None,
         # log.eval_train_views: every training view scored after the loop (not in `seconds`)
         "final_train_views": None if train_views is None else {

@@ -28,6 +28,17 @@ class ViewSampler:
         self.pos += 1
         return idx
 
+    def peek(self, count: int) -> list[int]:
+        """The next `count` indices next() will return, without drawing them: the image store
+        fetches ahead in this order. Passes not drawn yet come from a copy of the generator."""
+        ahead = self.order[self.pos : self.pos + count]
+        if len(ahead) < count:
+            gen = torch.Generator().manual_seed(0)
+            gen.set_state(self.gen.get_state())
+            while len(ahead) < count:
+                ahead += torch.randperm(self.n, generator=gen).tolist()
+        return ahead[:count]
+
     def state_dict(self) -> dict[str, Any]:
         return {"gen": self.gen.get_state(), "order": list(self.order), "pos": self.pos}
 

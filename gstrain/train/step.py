@@ -57,7 +57,7 @@ class StepView:
     gt: Tensor
     mask: ViewMask | None = None
     valid: Tensor | None = None
-    index: int | None = None  # the training view's index (per-view corrections); None: not one
+    index: int | None = None  # the training view's index: per-view corrections read it (None: not a training view)
 
 
 BatchView = StepView  # the name bench scripts know
@@ -126,12 +126,12 @@ class StepRunner:
         for v in views:
             height, width = v.gt.shape[:2]
             with timer.phase("forward"):
-                viewmat = corrected_camera(self.corrections, step, v.index, v.viewmat)
+                viewmat = corrected_camera(self.corrections, v.viewmat, v, step)
                 image, _, info = self.renderer(params, viewmat, v.K, width, height, sh_degree, background,
                                                timer=timer)  # fmt: skip
             self.strategy.step_pre_backward(params, optimizers, step, info)
             with timer.phase("loss"):
-                loss, terms = self.view_loss(corrected_image(self.corrections, step, v.index, image), v, background)
+                loss, terms = self.view_loss(image, v, background)
             losses.append(loss)
             terms_sum = terms if len(views) == 1 else {k: terms_sum.get(k, 0) + t.detach() for k, t in terms.items()}
             infos.append(info)
@@ -149,7 +149,9 @@ class StepRunner:
 
     def view_loss(self, image: Tensor, view: StepView, background: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """One view's photometric loss and its terms: on a canvas the fused loss over the valid
-        part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py)."""
+        part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py).
+        The per-view corrections apply first: the loss sees the corrected render."""
+        image = corrected_image(self.corrections, image, view)
         if view.valid is not None:
             from gstrain.train.fused_ssim import fused_photometric_loss
 
@@ -170,7 +172,7 @@ class StepRunner:
             if scheduler is not None:
                 scheduler.step()
             for correction in self.corrections:
-                correction.optimizer_step(step)
+                correction.after_step(step)
         with timer.phase("densify"):
             means_lr = optimizers["means"].param_groups[0]["lr"]
             changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +22,28 @@ import torch
 from tqdm import tqdm
 
 from gstrain.config import Config
+from gstrain.data.image_store import ResidentStore, TrainImages, build_image_store, decoded
 from gstrain.data.scene import Scene
 from gstrain.data.view_volume import view_volume_points
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
 from gstrain.model import init_gaussians, random_points, save_ply
 from gstrain.render import Renderer
+from gstrain.train.appearance import build_corrections
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
+from gstrain.train.corrections import corrections_state, engine_note, saved_correction
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
+from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.masking import prepare_mask
+from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
-from gstrain.train.pose_refine import STATE_KEY as POSE_KEY
 from gstrain.train.pose_refine import attach_pose_refiner
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
 from gstrain.train.step import StepRunner, StepView
-from gstrain.train.strategies import build_strategy
+from gstrain.train.strategies import build_strategy, strategy_class
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer, timed_step
 
@@ -88,21 +92,35 @@ class Trainer(RunReporting):
         self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
         self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad, dev=cfg.dev)
         self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
-        # Images live on the device as uint8 (a quarter of float32) and are converted per step.
-        views = TrainViews([v.image.to(device) for v in scene.train],
-                           [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
+        # Images as uint8 (a quarter of float32), converted per step; where they live between
+        # steps is data.images_on's (data/image_store.py): on the device, or fetched a step ahead.
+        self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
+                                             per_step=cfg.train.batch_size, device_free=budget_free(cfg, device))
+        if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
+            scene.test = decoded(scene.test)
+        store = self.image_store
+        images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
+        views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
                            [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
         params = self._initial_params()
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
-        self.strategy = build_strategy(cfg.strategy, scene.extent, device, cfg.dev)
+        on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
+        self.gate = budget_gate(cfg, on_device, views.shapes(), log)  # train.max_memory_gib
+        self.gate.check_start(len(params["means"]))
+        strategy_cfg = cfg.strategy
+        if strategy_class(cfg.strategy.name).capped:  # its own cap, lowered to what fits (said once)
+            strategy_cfg = replace(cfg.strategy, cap_max=self.gate.cap_for(cfg.strategy.cap_max))
+        self.strategy = build_strategy(strategy_cfg, scene.extent, device, cfg.dev)
+        self.strategy.gate = self.gate
         self.strategy.check(params, optimizers)
         self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
-        # train.pose_refine: the training views' learned pose corrections (None: off)
+        # per-view corrections on the step (train/corrections.py): train.pose_refine, train.appearance
         self.pose_refiner = attach_pose_refiner(cfg, scene.train, scene.points, scene.extent, self.renderer,
                                                 self.runner, device, log)  # fmt: skip
+        self.runner.corrections.extend(build_corrections(cfg, len(scene.train), device))
         self.ctx = StepContext(
             cfg=cfg, device=device, params=params, optimizers=optimizers,
             scheduler=build_means_scheduler(optimizers["means"], cfg.optim, cfg.train.steps),
@@ -110,7 +128,10 @@ class Trainer(RunReporting):
             sh_degree=self.active_sh_degree, timer=self.timer, background=self.background,
             shard=self._shard(), batch_size=cfg.train.batch_size,
         )  # fmt: skip
-        self.engine: StepEngine = build_engine(choose_engine(self.ctx), self.ctx)
+        engine = choose_engine(self.ctx)
+        if self.ctx.corrections and engine != "graph" and cfg.dev.cuda_graphs and device.type == "cuda":
+            log(engine_note(self.ctx.corrections, engine))
+        self.engine: StepEngine = build_engine(engine, self.ctx)
         self._viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
         self.watch_every = 0  # fit --viewer under several ranks: steps between the whole-model refreshes
         self.record = RunRecord()  # what this process reports in train_summary.json
@@ -179,8 +200,7 @@ class Trainer(RunReporting):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        pose = {POSE_KEY: self.pose_refiner.state_dict()} if self.pose_refiner is not None else {}
-        return pose | {
+        return {
             "step": self.step,
             "params": {k: v.detach() for k, v in self.params.items()},  # CheckpointWriter copies
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
@@ -189,7 +209,16 @@ class Trainer(RunReporting):
             "sampler": self.sampler.state_dict(),
             "rng": _rng_state(),
             "config": self.cfg.to_dict(),
+            **corrections_state(self.ctx.corrections),
         }
+
+    def _load_corrections(self, state: dict[str, Any]) -> None:
+        for correction in self.ctx.corrections:
+            saved = saved_correction(state, correction.name)
+            if saved is None:
+                raise UserError(f"the checkpoint at step {state['step']} has no {correction.name} corrections; "
+                                "resume with the config it was trained with")
+            correction.load_state_dict(saved)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params = torch.nn.ParameterDict(
@@ -202,10 +231,9 @@ class Trainer(RunReporting):
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.load_state_dict(state["strategy"], self.device)
         self.sampler.load_state_dict(state["sampler"])
-        if self.pose_refiner is not None and POSE_KEY in state:
-            self.pose_refiner.load_state_dict(state[POSE_KEY])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self._load_corrections(state)
         self.engine.state_replaced()
 
     def resume(self) -> bool:
@@ -284,8 +312,11 @@ class Trainer(RunReporting):
             self.record.comm_sent += result.comm[0]
             self.record.comm_received += result.comm[1]
         self._records += result.records
-        if result.changed and self.world == 1:  # the count is known on the host: no sync
-            self.record.max_gaussians = max(self.record.max_gaussians, len(self.params["means"]))
+        if result.changed:  # one process: the count is known on the host, no sync
+            count = len(self.params["means"]) if self.world == 1 else self.gaussian_count()  # ranks refine alike
+            if self.world == 1:
+                self.record.max_gaussians = max(self.record.max_gaussians, count)
+            check_gaussians_left(count, self.cfg.strategy, step + 1)  # before a step renders an empty model
         return result.loss, result.terms, result.image, result.target
 
     def train_target(self, gt: torch.Tensor | int) -> torch.Tensor:
@@ -301,6 +332,7 @@ class Trainer(RunReporting):
         is where it goes on from. A run with no checkpoint yet starts at step 0, seeded."""
         cfg = self.cfg
         self._begin(resume, state)
+        self.ctx.views.prefetch(self.sampler)  # data.images_on=host/disk: the first steps' images
         total = cfg.train.steps
         # train.stop_at pauses the run there (checkpoint, evaluation, PLY as at the end); the
         # learning-rate decay and the eval/save steps still follow `total`, so --resume goes on
@@ -376,6 +408,10 @@ class Trainer(RunReporting):
         self.record.add_pairs(self.engine.pair_totals())
         self.record.graphs = self.engine.summary()
         self.checkpoints.wait()  # the last write is part of the run's time
+        note = self.image_store.note()  # training waited on the images (data-bound), or None
+        if note:
+            self.log(f"gstrain: {note}")
+        self.image_store.close()
         seconds = time.perf_counter() - t_start
         if status == "done" and self.step < cfg.train.steps:
             status = "stopped"  # at train.stop_at, with its checkpoint: --resume goes on

@@ -18,7 +18,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.data.scene import Scene
 from gstrain.viewer.page import ViewerPage, config_summary
-from gstrain.viewer.serve import start_server, stop_quietly
+from gstrain.viewer.serve import page_url, start_server, stop_quietly
 
 
 def _value(x: Tensor | float | None) -> float | None:
@@ -30,7 +30,7 @@ class LiveViewer:
         vc = cfg.viewer
         self.refresh_every = vc.refresh_every
         self.log = log
-        self.server = start_server(vc.host, vc.port)
+        self.server = start_server(vc.host, vc.port, log=log, key="viewer.host")
         # our renderer runs on the CPU here, so the "render" toggle never competes with training for the GPU
         self.page = ViewerPage(self.server, cfg, scene, torch.device("cpu"))
         self._summary = config_summary(cfg)
@@ -48,7 +48,7 @@ class LiveViewer:
         self._closed = False
         self._worker = threading.Thread(target=self._publish_loop, name="gstrain-live-viewer", daemon=True)
         self._worker.start()
-        log(f"gstrain: live viewer at http://{vc.host}:{vc.port} (refreshed every {self.refresh_every} steps)")
+        log(f"gstrain: live viewer at {page_url(vc.host, vc.port)} (refreshed every {self.refresh_every} steps)")
 
     # ------------------------------------------------------------ trainer side
     def on_step(self, step: int, params: Mapping[str, Tensor], loss: Tensor | float | None,

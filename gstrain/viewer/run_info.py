@@ -50,7 +50,7 @@ def load_run_info(run: Path, log=print) -> RunInfo:
     scene, note = None, None
     try:
         scene = load_scene(run_scene(run, opened.meta), factor=cfg.data.factor, test_every=cfg.data.test_every,
-                           background=cfg.data.background)
+                           background=cfg.data.background, max_side=cfg.data.max_side)
     except UserError as exc:
         note = f"cameras not shown: {exc}"
         log(f"gstrain: {note}")

@@ -21,7 +21,13 @@ Optimizers = dict[str, torch.optim.Optimizer]
 
 class Strategy:
     """Base class: holds the config and the state dict; subclasses fill in the steps. `dev`: the
-    config's dev section, for the speed switches a strategy has (None: their defaults)."""
+    config's dev section, for the speed switches a strategy has (None: their defaults).
+
+    train.max_memory_gib reaches a strategy one of two ways: a strategy with its own Gaussian cap
+    (`capped`: strategy.cap_max) is built with the cap lowered to what fits; one that grows freely
+    asks `gate` (train/memory_budget.py GrowthGate, set by the trainer) before it grows."""
+
+    capped = False  # the strategy keeps at most strategy.cap_max Gaussians
 
     def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device,
                  dev: DevConfig | None = None) -> None:  # fmt: skip
@@ -30,6 +36,7 @@ class Strategy:
         self.scene_extent = scene_extent
         self.device = device
         self.state: dict[str, Any] = {}
+        self.gate: Any = None  # a GrowthGate (train/memory_budget.py) or None: grow freely
 
     def check(self, params: Params, optimizers: Optimizers) -> None:
         """Raise when params and optimizers do not fit this strategy (called once, at set-up)."""

@@ -13,6 +13,7 @@ from gsplat.strategy.ops import reset_opa
 
 from gstrain.config import StrategyConfig
 from gstrain.dev_config import DevConfig
+from gstrain.train.memory_budget import measured_peak
 from gstrain.train.strategies.base import GsplatStrategy, Optimizers, Params
 
 
@@ -115,6 +116,26 @@ class DefaultStrategy(GsplatStrategy):
             absgrad=cfg.absgrad,
         )
         self.state = self.gsplat.initialize_state(scene_scale=scene_extent)
+        grow = self.gsplat._grow_gs
+
+        def gated_grow(params: Params, optimizers: Optimizers, state: dict[str, Any], step: int) -> tuple[int, int]:
+            """gsplat's growth, skipped when train.max_memory_gib has no room for it (pruning goes on)."""
+            if self.gate is not None and self.gate.budget is not None and not self._may_grow(params, state, step):
+                return 0, 0
+            return grow(params, optimizers, state, step)
+
+        self.gsplat._grow_gs = gated_grow
+
+    def _may_grow(self, params: Params, state: dict[str, Any], step: int) -> bool:
+        """Whether the Gaussians gsplat's growth would add (one each: a duplicate, or a split that
+        replaces one with two) fit the memory budget. A refine step's count: gsplat reads its own
+        counts back there too, so this costs no extra sync on the steps between."""
+        g = self.gsplat
+        high = state["grad2d"] / state["count"].clamp_min(1) > g.grow_grad2d
+        if step < g.refine_scale2d_stop_iter:
+            high |= state["radii"] > g.grow_scale2d
+        adding = int(high.sum())
+        return self.gate.may_grow_to(len(params["means"]) + adding, adding, measured_peak(self.device))
 
     def step_post_backward(
         self, params: Params, optimizers: Optimizers, step: int, info: dict[str, Any], means_lr: float

@@ -20,6 +20,7 @@ SCALE_REG = 0.01
 
 
 class McmcStrategy(GsplatStrategy):
+    capped = True  # train.max_memory_gib lowers strategy.cap_max (train/memory_budget.py)
     share = 1.0  # the part of the model this process owns (for_owners)
 
     def __init__(self, cfg: StrategyConfig, scene_extent: float, device: torch.device,

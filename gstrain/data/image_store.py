@@ -1,0 +1,383 @@
+"""Where the training images live while a run trains (data.images_on), behind one small interface:
+
+    store.get(idx)        -> view idx's image, [H, W, 3] uint8 on the training device
+    store.prefetch(upcoming) the indices the sampler will draw next (ViewSampler.peek), in order
+    store.shape(idx)      -> (H, W, 3) without fetching anything
+    store.note()          -> one line when training waited on the images, else None
+    store.close()
+
+gpu:  every image decoded at start-up and kept on the device (uint8, a quarter of float32).
+host: decoded at start-up into (pinned, on CUDA) host memory; each step's image is copied on a side
+      stream one step ahead, and the step's stream waits for that copy only.
+disk: nothing decoded at start-up (a lazy scene: gstrain/data/images.py); a small pool of worker
+      threads decodes the sampler's next images into a bounded queue. A step whose image is not
+      decoded yet waits for it, and the store counts how often and how long ("data-bound").
+auto: the first of gpu, host, disk that the images fit in (choose_images_on), said in one line.
+
+get() of the index the last few get() calls returned gives the same tensor again (a step reads
+its target again for the train PSNR), without a second copy or decode.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn, Protocol
+
+import torch
+
+from gstrain.choices import IMAGES_ON
+from gstrain.data.images import LazyView, view_shape
+from gstrain.data.scene import View
+from gstrain.errors import UserError
+
+# auto keeps the images on the device when they take at most this share of its free memory: the
+# rest is the Gaussians' (parameters, gradients, Adam moments, per-step buffers) to grow into.
+DEVICE_SHARE = 0.25
+# auto keeps decoded images in host memory when they take at most this share of what is available.
+HOST_SHARE = 0.5
+DISK_WORKERS = 4  # decode threads of images_on=disk (PIL decodes and resizes without the GIL)
+DISK_DEPTH = 8  # images decoded ahead at most (bounded: the queue's memory is DISK_DEPTH images)
+START_WORKERS = 8  # decode threads at start-up (gpu, host)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def choose_images_on(image_bytes: int, device_free: int | None, host_available: int) -> tuple[str, str]:
+    """auto's pick for `image_bytes` of decoded images, and the one line that says why.
+
+    device_free: free bytes on the CUDA device (None when training on the CPU, where the device
+    memory is the host's and "gpu" means resident in it)."""
+    if device_free is None:
+        if image_bytes <= HOST_SHARE * host_available:
+            return "gpu", (f"data.images_on=auto: images resident ({_gib(image_bytes)} decoded, "
+                           f"{_gib(host_available)} of memory available; training on the CPU)")
+        return "disk", (f"data.images_on=auto: disk ({_gib(image_bytes)} decoded is over {HOST_SHARE:.0%} "
+                        f"of the {_gib(host_available)} of memory available)")
+    if image_bytes <= DEVICE_SHARE * device_free:
+        return "gpu", (f"data.images_on=auto: gpu ({_gib(image_bytes)} decoded, at most {DEVICE_SHARE:.0%} "
+                       f"of the {_gib(device_free)} free on the GPU)")
+    if image_bytes <= HOST_SHARE * host_available:
+        return "host", (f"data.images_on=auto: host ({_gib(image_bytes)} decoded is over {DEVICE_SHARE:.0%} "
+                        f"of the {_gib(device_free)} free on the GPU; {_gib(host_available)} of host memory "
+                        "available)")
+    return "disk", (f"data.images_on=auto: disk ({_gib(image_bytes)} decoded is over {DEVICE_SHARE:.0%} of the "
+                    f"{_gib(device_free)} free on the GPU and {HOST_SHARE:.0%} of the {_gib(host_available)} "
+                    "of host memory available)")
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+class ImageStore(Protocol):
+    where: str
+    lookahead: int  # how many upcoming indices prefetch() wants
+
+    def __len__(self) -> int: ...
+    def shape(self, idx: int) -> tuple[int, int, int]: ...
+    def get(self, idx: int) -> torch.Tensor: ...
+    def prefetch(self, upcoming: Sequence[int]) -> None: ...
+    def note(self) -> str | None: ...
+    def close(self) -> None: ...
+
+
+def decode_all(views: Sequence[View], pin: bool = False, workers: int = START_WORKERS) -> list[torch.Tensor]:
+    """Every view's image ([H, W, 3] uint8, CPU), decoded in parallel (lazy views decode here);
+    pin: into pinned memory, each as it is decoded (host memory never holds two copies of all)."""
+    if not views:
+        return []
+
+    def one(view: View) -> torch.Tensor:
+        return view.image.pin_memory() if pin else view.image
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(views)))) as pool:
+        return list(pool.map(one, views))
+
+
+class _Recent:
+    """The last few images get() returned, so a second read of a step's image costs nothing."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = max(1, keep)
+        self.items: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def find(self, idx: int) -> torch.Tensor | None:
+        return self.items.get(idx)
+
+    def add(self, idx: int, image: torch.Tensor) -> torch.Tensor:
+        self.items[idx] = image
+        self.items.move_to_end(idx)
+        while len(self.items) > self.keep:
+            self.items.popitem(last=False)
+        return image
+
+
+class _Base:
+    where = ""
+
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int) -> None:
+        self.shapes = [view_shape(v) for v in views]
+        self.device = device
+        self.per_step = max(1, per_step)  # views a step draws (train.batch_size)
+        self.lookahead = self.per_step  # one step ahead
+        self.recent = _Recent(self.per_step)
+        self.cuda = device.type == "cuda"
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def shape(self, idx: int) -> tuple[int, int, int]:
+        return self.shapes[idx]
+
+    def note(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self.recent.items.clear()
+
+
+class ResidentStore(_Base):
+    """images_on=gpu: every image on the training device, as uint8."""
+
+    where = "gpu"
+
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
+        super().__init__(views, device, per_step)
+        self.images = [image.to(device) for image in decode_all(views)]
+
+    def get(self, idx: int) -> torch.Tensor:
+        return self.images[idx]
+
+    def prefetch(self, upcoming: Sequence[int]) -> None:
+        pass
+
+
+class HostStore(_Base):
+    """images_on=host: decoded in host memory, pinned on CUDA; copied on a side stream ahead."""
+
+    where = "host"
+
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
+        super().__init__(views, device, per_step)
+        self.host = decode_all(views, pin=self.cuda)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.inflight: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
+        self.missed = 0  # gets whose copy had not been started ahead
+
+    def _start(self, idx: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self.stream is None:
+            return self.host[idx], None
+        with torch.cuda.stream(self.stream):
+            image = self.host[idx].to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return image, done
+
+    def prefetch(self, upcoming: Sequence[int]) -> None:
+        for idx in upcoming[: self.lookahead]:
+            if idx not in self.inflight and self.recent.find(idx) is None:
+                self.inflight[idx] = self._start(idx)
+        while len(self.inflight) > 2 * self.lookahead:  # copies the sampler no longer wants (a resume)
+            self.inflight.popitem(last=False)
+
+    def get(self, idx: int) -> torch.Tensor:
+        again = self.recent.find(idx)
+        if again is not None:
+            return again
+        entry = self.inflight.pop(idx, None)
+        if entry is None:
+            self.missed += 1
+            entry = self._start(idx)
+        image, done = entry
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)  # the step waits for its copy on the GPU, not on the host
+            image.record_stream(current)  # its memory is not reused before the step is done with it
+        return self.recent.add(idx, image)
+
+    def close(self) -> None:
+        super().close()
+        self.inflight.clear()
+
+
+class DiskStore(_Base):
+    """images_on=disk: decoded by worker threads in the sampler's order, a bounded queue ahead."""
+
+    where = "disk"
+
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1,
+                 workers: int = DISK_WORKERS, depth: int = DISK_DEPTH) -> None:
+        super().__init__(views, device, per_step)
+        self.views = list(views)
+        self.depth = self.lookahead = max(depth, self.per_step)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="gstrain-decode")
+        self.pending: OrderedDict[int, Future[torch.Tensor]] = OrderedDict()
+        self.gets = 0
+        self.waits = 0  # gets that found their image not decoded yet
+        self.waited_s = 0.0
+        self.longest_s = 0.0
+
+    def _decode(self, idx: int) -> torch.Tensor:
+        image = self.views[idx].image
+        # pinned, the copy to the device is asynchronous; torch keeps the block until it has run
+        return image.pin_memory() if self.cuda else image
+
+    def prefetch(self, upcoming: Sequence[int]) -> None:
+        for idx in upcoming[: self.depth]:
+            if idx not in self.pending and self.recent.find(idx) is None:
+                self.pending[idx] = self.pool.submit(self._decode, idx)
+        while len(self.pending) > 2 * self.depth:  # decodes the sampler no longer wants (a resume)
+            _idx, stale = self.pending.popitem(last=False)
+            stale.cancel()
+
+    def get(self, idx: int) -> torch.Tensor:
+        again = self.recent.find(idx)
+        if again is not None:
+            return again
+        self.gets += 1
+        future = self.pending.pop(idx, None)
+        start = time.perf_counter()
+        if future is None:
+            image = self._decode(idx)  # not asked for ahead: decoded here, a wait all the same
+        elif future.done():
+            image, start = future.result(), -1.0
+        else:
+            image = future.result()  # a decode error is raised here, in the training thread
+        if start >= 0:
+            waited = time.perf_counter() - start
+            self.waits += 1
+            self.waited_s += waited
+            self.longest_s = max(self.longest_s, waited)
+        if self.cuda:
+            image = image.to(self.device, non_blocking=True)
+        return self.recent.add(idx, image)
+
+    def note(self) -> str | None:
+        if not self.waits:
+            return None
+        return (f"data-bound: {self.waits} of {self.gets} steps waited for their image to be decoded "
+                f"({self.waited_s:.1f} s in all, {self.longest_s * 1e3:.0f} ms at most; "
+                "data.images_on=host or a smaller data.max_side would avoid it)")
+
+    def close(self) -> None:
+        super().close()
+        for future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def check_images_on(value: str) -> None:
+    """UserError (one line, exit 2) unless `value` is one of choices.IMAGES_ON."""
+    if value not in IMAGES_ON:
+        raise UserError(f"data.images_on must be one of {', '.join(IMAGES_ON)}; got '{value}'")
+
+
+def scene_is_lazy(images_on: str) -> bool:
+    """Whether to load the scene lazily (headers only): all but gpu, which decodes every image at
+    start-up anyway (auto decides once the sizes are known, and decodes then if it keeps them)."""
+    check_images_on(images_on)
+    return images_on != "gpu"
+
+
+def resolve_images_on(
+    views: Sequence[View], images_on: str, device: torch.device, log: Callable[[str], None] = print,
+    device_free: int | None = None, host_available: int | None = None,
+) -> str:
+    """gpu, host or disk for data.images_on: auto picks by the decoded sizes and says so in one
+    line. device_free / host_available: the sizes auto weighs (measured when None)."""
+    check_images_on(images_on)
+    if images_on != "auto":
+        return images_on
+    image_bytes = sum(h * w * c for h, w, c in (view_shape(v) for v in views))
+    if device_free is None:
+        device_free = device_free_bytes(device)
+    where, line = choose_images_on(image_bytes, device_free,
+                                   host_available if host_available is not None else host_available_bytes())
+    log(f"gstrain: {line}")
+    return where
+
+
+def build_image_store(
+    views: Sequence[View],
+    images_on: str,
+    device: torch.device,
+    log: Callable[[str], None] = print,
+    per_step: int = 1,
+    device_free: int | None = None,
+    host_available: int | None = None,
+) -> ImageStore:
+    """The store for data.images_on (auto picks and says so in one line: resolve_images_on).
+    per_step: views a step draws (train.batch_size)."""
+    where = resolve_images_on(views, images_on, device, log, device_free, host_available)
+    if where == "gpu":
+        return ResidentStore(views, device, per_step)
+    if where == "host":
+        return HostStore(views, device, per_step)
+    return DiskStore(views, device, per_step)
+
+
+def decoded(views: list[View], workers: int = START_WORKERS) -> list[View]:
+    """The views with every lazy one decoded (in parallel) into a plain View: test views that are
+    scored every evaluation, when the store keeps the training images decoded too."""
+    if not any(isinstance(v, LazyView) for v in views):
+        return views
+    images = decode_all(views, workers=workers)
+    return [View(v.name, image, v.K, v.viewmat, v.mask) if isinstance(v, LazyView) else v
+            for v, image in zip(views, images, strict=True)]
+
+
+class TrainImages:
+    """The store behind the trainer's `train_images[idx]`: indexing fetches (store.get), len()
+    counts, `shapes` gives every image's (H, W, 3) without fetching. Iterating is refused: it
+    would fetch every image, which is what the store is there to avoid."""
+
+    def __init__(self, store: ImageStore) -> None:
+        self.store = store
+        self.shapes = [store.shape(i) for i in range(len(store))]
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        return self.store.get(idx)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __iter__(self) -> NoReturn:
+        raise TypeError("iterating the training images would fetch them all: use .shapes")
+
+    def prefetch(self, upcoming: Sequence[int]) -> None:
+        self.store.prefetch(upcoming)
+
+    @property
+    def lookahead(self) -> int:
+        return self.store.lookahead
+
+
+def image_shapes(images: TrainImages | Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """Each training image's shape: a TrainImages' without fetching, a list of tensors' (resident
+    images, e.g. profile_graphs' stand-in trainer) from the tensors."""
+    if isinstance(images, TrainImages):
+        return list(images.shapes)
+    return [tuple(image.shape) for image in images]

@@ -1,0 +1,376 @@
+"""data.images_on: the image stores (gpu, host, disk, auto), lazy scenes and data.max_side, on the CPU.
+
+References are independent of the code under test: a second ViewSampler drawn with next(), the
+eagerly loaded scene's images, hand-computed sizes and choices.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_util import assert_one_error, call_cli
+from test_data_colmap import WIDTH, write_scene
+
+import gstrain.data.images as images_mod
+from gstrain.config import build_config
+from gstrain.data.colmap import load_scene
+from gstrain.data.image_store import (
+    DEVICE_SHARE,
+    DiskStore,
+    HostStore,
+    ResidentStore,
+    TrainImages,
+    build_image_store,
+    choose_images_on,
+    scene_is_lazy,
+)
+from gstrain.data.images import LazyView
+from gstrain.data.scene import View
+from gstrain.errors import UserError
+from gstrain.train.context import TrainViews
+from gstrain.train.run_state import ViewSampler
+
+CPU = torch.device("cpu")
+GIB = 2**30
+
+
+class LoggedView(View):
+    """A view whose image is made on access (like a LazyView), logging each decode; `gate` (an
+    Event) makes the decode wait until it is set."""
+
+    def __init__(self, index: int, log: list[int], gate: threading.Event | None = None) -> None:
+        self.index, self.log, self.gate = index, log, gate
+        pixels = torch.arange(4 * 5 * 3, dtype=torch.int64).reshape(4, 5, 3)
+        self.pixels = ((pixels * (index + 3)) % 251).to(torch.uint8)
+        super().__init__(name=f"v{index}", image=None, K=torch.eye(3), viewmat=torch.eye(4))  # type: ignore[arg-type]
+
+    @property  # type: ignore[override]
+    def image(self) -> torch.Tensor:
+        if self.gate is not None:
+            self.gate.wait(5)
+        self.log.append(self.index)
+        return self.pixels.clone()
+
+    @image.setter
+    def image(self, value: torch.Tensor | None) -> None:
+        pass
+
+    @property
+    def width(self) -> int:
+        return 5
+
+    @property
+    def height(self) -> int:
+        return 4
+
+
+def draw_views(store, sampler: ViewSampler) -> list[tuple[int, torch.Tensor]]:
+    """One step's draw as the engines make it: TrainViews.draw (which prefetches), then the image."""
+    views = TrainViews(TrainImages(store), [], [])
+    return [(idx, views.images[idx]) for idx in views.draw(sampler)]
+
+
+def _sequence(n: int, seed: int, count: int) -> list[int]:
+    sampler = ViewSampler(n, seed)
+    return [sampler.next() for _ in range(count)]
+
+
+def test_peek_is_what_next_draws() -> None:
+    sampler = ViewSampler(5, seed=3)
+    drawn = _sequence(5, 3, 23)  # four passes and a bit: peeks cross pass boundaries
+    for i in range(20):
+        state = sampler.state_dict()
+        assert sampler.peek(3) == drawn[i : i + 3]
+        after = sampler.state_dict()
+        assert torch.equal(state["gen"], after["gen"]) and state["order"] == after["order"]
+        assert state["pos"] == after["pos"]
+        assert sampler.next() == drawn[i]
+
+
+def test_disk_prefetch_order_is_the_samplers() -> None:
+    n, seed, steps = 6, 11, 18
+    log: list[int] = []
+    views = [LoggedView(i, log) for i in range(n)]
+    store = DiskStore(views, CPU, workers=1, depth=3)  # one worker: decodes run in submission order
+    sampler = ViewSampler(n, seed)
+    got = [draw_views(store, sampler)[0] for _ in range(steps)]
+    store.close()
+    expected = _sequence(n, seed, steps)
+    assert [idx for idx, _ in got] == expected
+    for idx, image in got:
+        assert torch.equal(image, views[idx].pixels)
+    # each draw decoded once, in the sampler's order (a view drawn twice in a row is reused);
+    # the last steps' look-ahead decodes run past the draws
+    merged = [v for i, v in enumerate(expected) if i == 0 or expected[i - 1] != v]
+    assert log[: len(merged)] == merged
+
+
+def test_host_prefetch_starts_the_next_view() -> None:
+    views = [LoggedView(i, []) for i in range(5)]
+    store = HostStore(views, CPU)
+    sampler = ViewSampler(5, seed=2)
+    expected = _sequence(5, 2, 12)
+    for step in range(12):
+        (idx, image), = draw_views(store, sampler)
+        assert idx == expected[step] and torch.equal(image, views[idx].pixels)
+        if step + 1 < 12 and expected[step + 1] != idx:
+            assert list(store.inflight) == [expected[step + 1]]  # one step ahead, the sampler's next
+    assert store.missed == 1  # only the first step's copy was not started ahead
+
+
+@pytest.fixture(scope="module")
+def jpg_scene(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("store_scene")
+    write_scene(root, model="OPENCV", n_images=7, ext=".jpg")  # distorted: resize + undistort per decode
+    return root
+
+
+def _stream(store, sampler: ViewSampler, steps: int) -> list[tuple[int, torch.Tensor]]:
+    return [draw_views(store, sampler)[0] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_streamed_images_equal_resident_ones(jpg_scene: Path, where: str) -> None:
+    eager = load_scene(jpg_scene, factor=2, test_every=0)
+    lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
+    assert all(isinstance(v, LazyView) for v in lazy.train)
+    for a, b in zip(eager.train, lazy.train, strict=True):
+        assert torch.equal(a.K, b.K) and torch.equal(a.viewmat, b.viewmat)
+        assert (a.width, a.height) == (b.width, b.height)
+    resident = ResidentStore(eager.train, CPU)
+    store = build_image_store(lazy.train, where, CPU, log=lambda _m: None)
+    assert store.where == where
+    n = len(eager.train)
+    sampler = ViewSampler(n, seed=7)
+    for idx, image in _stream(store, sampler, 2 * n):  # two full passes of sampled indices
+        reference = eager.train[idx].image
+        assert image.dtype == torch.uint8 and image.shape == reference.shape == store.shape(idx)
+        assert torch.equal(image, reference) and torch.equal(resident.get(idx), reference)
+    store.close()
+
+
+def _fake_training(store, n: int, steps: int = 50) -> torch.Tensor:
+    """A stand-in for the training step: parameters moved by each step's target as the loss would."""
+    sampler = ViewSampler(n, seed=42)
+    params = torch.zeros(8, dtype=torch.float64)
+    for step in range(steps):
+        (idx, image), = draw_views(store, sampler)
+        gt = image.float() / 255.0
+        grad = torch.stack([gt[..., c].mean() for c in range(3)] + [gt.std(), gt.max(), gt.min(),
+                            gt[: gt.shape[0] // 2].mean(), torch.tensor(float(idx))]).double()
+        params -= 0.01 * (grad - params) * (1 + step % 3)
+    store.close()
+    return params
+
+
+def test_fifty_steps_streamed_equal_resident(jpg_scene: Path) -> None:
+    eager = load_scene(jpg_scene, factor=2, test_every=0)
+    lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
+    n = len(eager.train)
+    resident = _fake_training(ResidentStore(eager.train, CPU), n)
+    for where in ("host", "disk"):
+        streamed = _fake_training(build_image_store(lazy.train, where, CPU, log=lambda _m: None), n)
+        assert torch.equal(streamed, resident), where
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    decoded: list[Path] = []
+    real = images_mod.decode
+
+    def counting(file: Path, composite_over=None):
+        decoded.append(file)
+        return real(file, composite_over)
+
+    monkeypatch.setattr(images_mod, "decode", counting)
+    return decoded
+
+
+def test_disk_start_up_decodes_only_what_the_first_steps_need(jpg_scene: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded = _count_decodes(monkeypatch)
+    load_scene(jpg_scene, factor=2, test_every=0)
+    assert len(decoded) == 7  # an eager scene decodes every image: the counter sees decodes
+    decoded.clear()
+    lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
+    assert decoded == []  # headers only
+    store = DiskStore(lazy.train, CPU, workers=1, depth=2)
+    sampler = ViewSampler(len(lazy.train), seed=1)
+    draw_views(store, sampler)  # the first step
+    store.close()
+    assert 1 <= len(decoded) <= 3  # its own image and at most two ahead, not all seven
+
+
+def test_disk_says_when_training_waited() -> None:
+    gate = threading.Event()
+    views = [LoggedView(i, [], gate) for i in range(3)]
+    store = DiskStore(views, CPU, workers=1, depth=2)
+    store.prefetch([1, 2])
+    threading.Timer(0.05, gate.set).start()
+    start = time.perf_counter()
+    assert torch.equal(store.get(1), views[1].pixels)  # waits for the worker
+    assert time.perf_counter() - start >= 0.04
+    store.pending[2].result()  # decoded before it is asked for: no wait
+    store.get(2)
+    note = store.note()
+    store.close()
+    assert store.waits == 1 and store.gets == 2
+    assert note is not None and note.startswith("data-bound: 1 of 2 steps waited") and "\n" not in note
+
+
+def test_disk_without_waits_says_nothing() -> None:
+    views = [LoggedView(i, []) for i in range(3)]
+    store = DiskStore(views, CPU, workers=1, depth=3)
+    store.prefetch([0, 1, 2])
+    for future in list(store.pending.values()):
+        future.result()
+    for idx in (0, 1, 2):
+        store.get(idx)
+    assert store.note() is None
+    store.close()
+
+
+def test_disk_decode_error_is_one_user_error(tmp_path: Path) -> None:
+    write_scene(tmp_path, n_images=3, ext=".jpg")
+    lazy = load_scene(tmp_path, test_every=0, lazy=True)
+    good = (tmp_path / "images" / "img_01.jpg").read_bytes()
+    (tmp_path / "images" / "img_01.jpg").write_bytes(good[: len(good) // 3])  # truncated after start-up
+    store = DiskStore(lazy.train, CPU, workers=1, depth=3)
+    store.prefetch([1])
+    with pytest.raises(UserError, match="cannot decode image .*img_01.jpg"):
+        store.get(1)
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("image_gib", "device_free_gib", "host_gib", "expected"),
+    [
+        (10, 80, 100, "gpu"),  # 10 <= 0.25 * 80
+        (20, 80, 100, "gpu"),  # exactly the share
+        (21, 80, 100, "host"),  # over the device share, 21 <= 0.5 * 100
+        (50, 80, 100, "host"),
+        (51, 80, 100, "disk"),  # over both
+        (10, None, 100, "gpu"),  # on the CPU: resident in host memory
+        (60, None, 100, "disk"),
+    ],
+)
+def test_auto_choice_on_given_sizes(image_gib: int, device_free_gib: int | None, host_gib: int, expected: str) -> None:
+    assert DEVICE_SHARE == 0.25
+    device_free = None if device_free_gib is None else device_free_gib * GIB
+    where, line = choose_images_on(image_gib * GIB, device_free, host_gib * GIB)
+    assert where == expected
+    assert line.startswith("data.images_on=auto: ") and "\n" not in line
+
+
+def test_auto_builds_and_says_which() -> None:
+    views = [LoggedView(i, []) for i in range(4)]  # 4 x 60 bytes decoded
+    said: list[str] = []
+    store = build_image_store(views, "auto", CPU, log=said.append, device_free=None, host_available=1000)
+    assert isinstance(store, ResidentStore) and len(said) == 1 and "images resident" in said[0]
+    said.clear()
+    store = build_image_store(views, "auto", CPU, log=said.append, device_free=None, host_available=400)
+    assert isinstance(store, DiskStore) and len(said) == 1 and said[0].startswith("gstrain: data.images_on=auto: disk")
+    store.close()
+
+
+def test_max_side_downscales_with_one_note(tmp_path: Path) -> None:
+    write_scene(tmp_path, n_images=3)  # 200 x 160
+    full = load_scene(tmp_path, test_every=0)
+    small = load_scene(tmp_path, test_every=0, max_side=100)
+    assert {(v.width, v.height) for v in small.train} == {(100, 80)}
+    for a, b in zip(full.train, small.train, strict=True):
+        assert torch.allclose(b.K[:2], a.K[:2] * 0.5) and torch.equal(b.K[2], a.K[2])
+    notes = [n for n in small.notes if "max_side" in n]
+    assert len(notes) == 1 and "3 images" in notes[0] and "200x160 -> 100x80" in notes[0]
+    both = load_scene(tmp_path, factor=2, test_every=0, max_side=60, lazy=True)  # 100x80 by factor, then 60
+    assert {(v.width, v.height) for v in both.train} == {(60, 48)}
+    assert tuple(both.train[0].image.shape) == (48, 60, 3)
+    assert not [n for n in load_scene(tmp_path, test_every=0, max_side=WIDTH).notes if "max_side" in n]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("data.images_on=ssd", "data.images_on must be one of auto, gpu, host, disk"),
+     ("data.max_side=-1", "data.max_side must be >= 0"),
+     ("train.max_memory_gib=-2", "train.max_memory_gib must be")],
+)
+def test_bad_values_are_one_line(override: str, needle: str) -> None:
+    section, rest = override.split(".", 1)
+    key, value = rest.split("=")
+    with pytest.raises(UserError, match=needle):
+        build_config(overrides=[{section: {key: value if section == "data" and key == "images_on" else float(value)}}])
+
+
+def test_bad_images_on_from_the_command_line(demo_scene: Path, tmp_path: Path) -> None:
+    code, err = call_cli("fit", demo_scene, "--out", tmp_path / "run", "--steps", "1", "--set", "data.images_on=ssd")
+    assert_one_error(code, err, "data.images_on must be one of")
+    with pytest.raises(UserError, match="data.images_on"):
+        scene_is_lazy("ram")
+    assert scene_is_lazy("disk") and scene_is_lazy("auto") and not scene_is_lazy("gpu")
+
+
+def test_max_side_run_trains_and_reopens_at_its_size(demo_scene: Path, tmp_path: Path) -> None:
+    from gstrain.run_dir import open_run
+
+    run = tmp_path / "run"
+    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "2", "--set", "data.max_side=32",
+                         "--set", "model.sh_degree=0", "--set", "log.progress_every=1")
+    assert code == 0, err
+    opened = open_run(run, device="cpu", renderer=False)  # gstrain eval and view reopen the scene this way
+    assert opened.cfg.data.max_side == 32
+    assert {(v.width, v.height) for v in opened.scene.train + opened.scene.test} == {(32, 32)}  # demo: 64 x 64
+    code, err = call_cli("fit", demo_scene, "--out", run, "--resume", "--set", "data.max_side=16")
+    assert_one_error(code, err, "--resume cannot change data.max_side: 32 -> 16")
+
+
+def test_train_images_adapter_fetches_by_index_only() -> None:
+    from gstrain.data.image_store import TrainImages
+
+    log: list[int] = []
+    views = [LoggedView(i, log) for i in range(4)]
+    images = TrainImages(DiskStore(views, CPU, workers=1, depth=2))
+    assert len(images) == 4 and images.shapes == [(4, 5, 3)] * 4 and log == []  # shapes without decoding
+    assert torch.equal(images[2], views[2].pixels) and torch.equal(images[2], views[2].pixels)
+    assert log == [2]  # the step's second read (train PSNR) is the same tensor, not a second decode
+    with pytest.raises(TypeError, match="use .shapes"):
+        list(images)
+    images.store.close()
+
+
+def test_image_shapes_of_both_kinds() -> None:
+    from gstrain.data.image_store import TrainImages, image_shapes
+
+    log: list[int] = []
+    views = [LoggedView(i, log) for i in range(3)]
+    assert image_shapes(TrainImages(HostStore(views, CPU))) == [(4, 5, 3)] * 3
+    assert image_shapes([torch.zeros(2, 7, 3, dtype=torch.uint8)]) == [(2, 7, 3)]
+
+
+def test_transforms_scene_lazy_and_max_side_equal_eager(tmp_path: Path) -> None:
+    """transforms.json scenes go through the same lazy path: an RGBA image composited over the
+    background, fisheye-free pinhole views, decoded later, equal the eager scene's pixels; and
+    data.max_side shrinks them with its note, as on COLMAP."""
+    import numpy as np
+    from PIL import Image
+    from transforms_util import write_blender
+
+    from gstrain.data.demo import write_demo_scene
+    from gstrain.data.inputs import load_scene as load_any
+
+    colmap = write_demo_scene(tmp_path / "colmap", n_views=8, width=40, height=40)
+    scene_dir = write_blender(colmap, tmp_path / "blender")
+    rgb = np.asarray(Image.open(scene_dir / "images" / "003.png").convert("RGB"))
+    alpha = np.tile(np.linspace(0, 255, 40).round().astype(np.uint8), (40, 1))
+    Image.fromarray(np.dstack([rgb, alpha])).save(scene_dir / "images" / "003.png")
+    eager = load_any(scene_dir, background=(1.0, 0.5, 0.0))
+    lazy = load_any(scene_dir, background=(1.0, 0.5, 0.0), lazy=True)
+    views = [*lazy.train, *lazy.test]
+    assert views and all(isinstance(v, LazyView) for v in views)
+    for a, b in zip([*eager.train, *eager.test], views, strict=True):
+        assert torch.equal(a.K, b.K) and (a.width, a.height) == (b.width, b.height)
+        assert torch.equal(a.image, b.image)
+    small = load_any(scene_dir, max_side=20, lazy=True)
+    assert {tuple(v.image.shape) for v in small.train} == {(20, 20, 3)}
+    assert len([n for n in small.notes if n.startswith("data.max_side=20: ")]) == 1
