@@ -76,6 +76,10 @@ class OptimConfig:
     eps: float = 1e-15
     # update only the Gaussians drawn this step (gsplat's SelectiveAdam rule; CUDA only)
     sparse_adam: bool = False
+    # train.pose_refine: the per-view pose corrections' rate (rotation in radians, translation in
+    # units of the scene extent), decaying exponentially to pose_lr_final over the run
+    pose_lr: float = 1e-3
+    pose_lr_final: float = 1e-4
 
 
 @dataclass
@@ -93,6 +97,10 @@ class TrainConfig:
     # views per step: the loss is the mean of their losses (one backward, one optimizer step); under
     # torchrun it is the GLOBAL batch: each view is rendered by its home rank
     batch_size: int = 1
+    # learn a rotation and translation correction per training view (train/pose_refine.py),
+    # from step pose_refine_start on
+    pose_refine: bool = False
+    pose_refine_start: int = 0
     # a per-image colour correction learned with the scene (gstrain/train/appearance.py): none, or
     # affine (a 3x4 colour matrix and bias per training image, from identity) applied to the render
     # before the loss; test views have none, so eval reports the raw render and a fitted-on-half score
@@ -390,6 +398,7 @@ def _validate_ranges(cfg: Config) -> None:
         "log.ckpt_every": (cfg.log.ckpt_every, 0), "log.keep_ckpts": (cfg.log.keep_ckpts, 0),
         "data.test_every": (cfg.data.test_every, 0), "model.init_points": (cfg.model.init_points, 1),
         "train.threads": (cfg.train.threads, 0), "train.seed": (cfg.train.seed, 0),
+        "train.pose_refine_start": (cfg.train.pose_refine_start, 0),
         "strategy.cap_max": (cfg.strategy.cap_max, 1), "data.max_side": (cfg.data.max_side, 0),
     }
     for key, (value, low) in at_least.items():
@@ -397,7 +406,8 @@ def _validate_ranges(cfg: Config) -> None:
             raise UserError(f"{key} must be >= {low}; got {value}")
     if cfg.train.seed > SEED_MAX:
         raise UserError(f"train.seed must be 0..{SEED_MAX} (numpy's seed range); got {cfg.train.seed}")
-    for name in ("means_lr", "means_lr_final", "scales_lr", "quats_lr", "opacities_lr", "sh0_lr", "shN_lr"):
+    for name in ("means_lr", "means_lr_final", "scales_lr", "quats_lr", "opacities_lr", "sh0_lr", "shN_lr", "pose_lr",
+                 "pose_lr_final"):
         value = getattr(cfg.optim, name)
         if not value >= 0.0 or value == float("inf"):  # also NaN
             raise UserError(f"optim.{name} must be a learning rate >= 0; got {value}")

@@ -297,12 +297,15 @@ def open_run(
     scene = None
     if scene_path is not None:
         from gstrain.data.inputs import load_scene
+        from gstrain.train.pose_refine import pose_state, refined_views
 
         scene = load_scene(scene_path, factor=cfg.data.factor, test_every=cfg.data.test_every,
                            background=cfg.data.background, max_side=cfg.data.max_side)
         if moved:
             check_views_fit(state, path, scene, scene_path, "--scene")
             record_scene(run_dir, scene_path, log)
+        # train.pose_refine: the training views at the poses the run learned (test views as given)
+        scene.train = refined_views(scene.train, pose_state(state))
     dev, rend, background = None, None, None
     params_device = "cpu"
     if renderer:

@@ -47,6 +47,9 @@ def _check_sharded(cfg: Config) -> None:
     if cfg.strategy.absgrad:
         raise UserError("strategy.absgrad with several ranks: the record exchange returns each owner's screen-space "
                         "gradients but not their absolute values; train it on one process or with --nproc-per-node=1")
+    if cfg.train.pose_refine:
+        raise UserError("train.pose_refine with several ranks: the sharded step does not carry camera gradients yet; "
+                        "train it on one process or with --nproc-per-node=1")
 
 
 def hold_while_paused(viewer: Any, device: torch.device, should_stop: Any) -> None:

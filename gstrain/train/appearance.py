@@ -16,12 +16,12 @@ training images, so only corrections relative to one another are determined. tra
 pulls every correction toward identity (it pins the common part: the scene keeps the mean colour);
 comparisons (tests) divide by the mean gain.
 
-Where it attaches: one StepRunner.corrections entry (train/step.py ViewCorrection) applied in
+Where it attaches: one StepRunner.corrections entry (train/corrections.py ViewCorrection) applied in
 view_loss and stepped in finish, so the eager, batch and sharded engines all get it. Under
 torchrun every rank holds the whole table; after each backward the table's gradient is summed
 over the ranks (each view's loss sits on its home rank, divided by the batch), so every rank takes
 the same Adam step and the tables stay equal. The CUDA-graph engine is not used with a correction
-(engine.choose_engine): its Adam step would need a capturable optimizer and a device-side view index.
+(graph_step.graphs_possible): its Adam step would need a capturable optimizer and a device-side view index.
 
 Test views (eval, the training loop's test evaluations): `raw` scores the render as it is;
 `fitted_half` fits the test view's affine correction by least squares on the left half of the image
@@ -66,7 +66,7 @@ def apply_affine(image: Tensor, transform: Tensor) -> Tensor:
 
 class AffineAppearance:
     """The per-image 3x4 colour transforms of the training views, with their own Adam (a
-    step.ViewCorrection). The table keeps its storage for the whole run: a checkpoint is copied
+    corrections.ViewCorrection). The table keeps its storage for the whole run: a checkpoint is copied
     into it."""
 
     name = "appearance"
@@ -76,6 +76,9 @@ class AffineAppearance:
         self.identity = identity_table(n_views, device)
         self.lr, self.decay, self.start = float(lr), float(decay), int(start)
         self.optimizer = torch.optim.Adam([self.table], lr=self.lr, eps=1e-15)
+
+    def camera(self, viewmat: Tensor, view: StepView, step: int) -> Tensor:
+        return viewmat  # colours only
 
     def image(self, image: Tensor, view: StepView) -> Tensor:
         if view.index is None:  # not a training view: nothing learned for it

@@ -100,5 +100,5 @@ class StepContext:
 
     @property
     def corrections(self) -> list[Any]:
-        """The per-view corrections every engine's step applies (step.ViewCorrection; the runner's)."""
+        """The per-view corrections every engine's step applies (corrections.ViewCorrection; the runner's)."""
         return self.runner.corrections

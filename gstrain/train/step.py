@@ -15,7 +15,7 @@ same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
+from gstrain.train.corrections import ViewCorrection, corrected_camera, corrected_image
 from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
 from gstrain.train.strategies.base import Strategy
@@ -57,25 +58,6 @@ class StepView:
     mask: ViewMask | None = None
     valid: Tensor | None = None
     index: int | None = None  # the training view's index: per-view corrections read it (None: not a training view)
-
-
-class ViewCorrection(Protocol):
-    """A per-view correction learned with the scene (StepRunner.corrections; appearance.py's
-    per-image colour transform): it changes what the loss sees of a training view's render and
-    steps its own parameters after the Gaussians'. Every engine goes through view_loss and
-    finish, so each gets it from this one place."""
-
-    name: str  # its key in a checkpoint's "corrections"
-
-    def image(self, image: Tensor, view: StepView) -> Tensor:
-        """The render [H, W, 3] as the loss compares it with view.gt."""
-
-    def after_step(self, step: int) -> None:
-        """After the backward of step `step`: step its own parameters (and clear their gradients)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 BatchView = StepView  # the name bench scripts know
@@ -123,7 +105,7 @@ class StepRunner:
         self.sparse_adam = bool(cfg.optim.sparse_adam) and self.fused_adam is not None
         # (scalars, skip flag) while a CUDA graph of the step is captured (train/graph_step.py)
         self.graph_adam: tuple[Tensor, Tensor] | None = None
-        # per-view corrections (ViewCorrection): applied in view_loss, stepped in finish
+        # learned per training view, applied to its camera and render (train/corrections.py)
         self.corrections: list[ViewCorrection] = []
 
     def run(
@@ -144,7 +126,8 @@ class StepRunner:
         for v in views:
             height, width = v.gt.shape[:2]
             with timer.phase("forward"):
-                image, _, info = self.renderer(params, v.viewmat, v.K, width, height, sh_degree, background,
+                viewmat = corrected_camera(self.corrections, v.viewmat, v, step)
+                image, _, info = self.renderer(params, viewmat, v.K, width, height, sh_degree, background,
                                                timer=timer)  # fmt: skip
             self.strategy.step_pre_backward(params, optimizers, step, info)
             with timer.phase("loss"):
@@ -168,8 +151,7 @@ class StepRunner:
         """One view's photometric loss and its terms: on a canvas the fused loss over the valid
         part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py).
         The per-view corrections apply first: the loss sees the corrected render."""
-        for correction in self.corrections:
-            image = correction.image(image, view)
+        image = corrected_image(self.corrections, image, view)
         if view.valid is not None:
             from gstrain.train.fused_ssim import fused_photometric_loss
 

@@ -32,11 +32,13 @@ from gstrain.render import Renderer
 from gstrain.train.appearance import build_corrections
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
+from gstrain.train.corrections import corrections_state, engine_note, saved_correction
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.masking import prepare_mask
 from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
+from gstrain.train.pose_refine import attach_pose_refiner
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, write_run_record
 from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
@@ -115,7 +117,10 @@ class Trainer(RunReporting):
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
-        self.runner.corrections.extend(build_corrections(cfg, len(scene.train), device))  # train.appearance
+        # per-view corrections on the step (train/corrections.py): train.pose_refine, train.appearance
+        self.pose_refiner = attach_pose_refiner(cfg, scene.train, scene.points, scene.extent, self.renderer,
+                                                self.runner, device, log)  # fmt: skip
+        self.runner.corrections.extend(build_corrections(cfg, len(scene.train), device))
         self.ctx = StepContext(
             cfg=cfg, device=device, params=params, optimizers=optimizers,
             scheduler=build_means_scheduler(optimizers["means"], cfg.optim, cfg.train.steps),
@@ -125,8 +130,7 @@ class Trainer(RunReporting):
         )  # fmt: skip
         engine = choose_engine(self.ctx)
         if self.ctx.corrections and engine != "graph" and cfg.dev.cuda_graphs and device.type == "cuda":
-            log(f"gstrain: note: train.appearance runs the {engine} step engine "
-                "(no CUDA graphs with a per-view correction)")
+            log(engine_note(self.ctx.corrections, engine))
         self.engine: StepEngine = build_engine(engine, self.ctx)
         self._viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
         self.watch_every = 0  # fit --viewer under several ranks: steps between the whole-model refreshes
@@ -205,22 +209,16 @@ class Trainer(RunReporting):
             "sampler": self.sampler.state_dict(),
             "rng": _rng_state(),
             "config": self.cfg.to_dict(),
-            **self._corrections_state(),
+            **corrections_state(self.ctx.corrections),
         }
 
-    def _corrections_state(self) -> dict[str, Any]:
-        """The per-view corrections' state under "corrections" (none: no key, the plain checkpoint)."""
-        if not self.ctx.corrections:
-            return {}
-        return {"corrections": {c.name: c.state_dict() for c in self.ctx.corrections}}
-
     def _load_corrections(self, state: dict[str, Any]) -> None:
-        saved = state.get("corrections", {})
         for correction in self.ctx.corrections:
-            if correction.name not in saved:
+            saved = saved_correction(state, correction.name)
+            if saved is None:
                 raise UserError(f"the checkpoint at step {state['step']} has no {correction.name} corrections; "
                                 "resume with the config it was trained with")
-            correction.load_state_dict(saved[correction.name])
+            correction.load_state_dict(saved)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params = torch.nn.ParameterDict(
@@ -244,6 +242,10 @@ class Trainer(RunReporting):
             return False
         self.load_state_dict(state)
         return True
+
+    def training_views(self) -> list[Any]:
+        """The training views as the model learned them: with train.pose_refine, at their refined poses."""
+        return self.pose_refiner.refined(self.scene.train) if self.pose_refiner is not None else self.scene.train
 
     def _params_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params.values())
@@ -438,7 +440,7 @@ class Trainer(RunReporting):
         train_views = None
         if finished and cfg.log.eval_train_views:
             with self._whole_model() as lead:
-                train_views = self.score_views(self.scene.train) if lead else None
+                train_views = self.score_views(self.training_views()) if lead else None
         result = FitResult(
             status=status, step=self.step, seconds=seconds, num_gaussians=self.gaussian_count(),
             initial_test_psnr=initial["psnr"] if initial else None,
