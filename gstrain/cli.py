@@ -120,7 +120,7 @@ def fit(
     viewer: Annotated[bool, typer.Option("--viewer", help="Watch it train in the browser (viewer.port, ...).")] = False,
 ) -> None:
     """Train Gaussians on a COLMAP scene; writes checkpoints, PLY, TensorBoard logs to the run folder."""
-    from gstrain.config import check_atomic_mode
+    from gstrain.config_checks import check_atomic_mode
     from gstrain.fit_run import FitRequest, run_fit
 
     if atomic_mode is not None:

@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from gstrain.choices import ATOMIC_MODES, PROFILE_BACKENDS
-from gstrain.config import Config, build_config, check_atomic_mode
+from gstrain.config import Config, build_config
+from gstrain.config_checks import check_atomic_mode
 from gstrain.errors import UserError
 
 GSPLAT_COLUMN = "gsplat"  # render.backend=gsplat: gsplat's rasterizer, the peer we compare with
