@@ -2,7 +2,7 @@
 render, for W = 2..128, partitions locality / round_robin / random, with and without fp16.
 
 No process group: the access profile (which Gaussians each view touches) and the partition give
-counts[v, r]; gstrain.dist.comm_model turns them into the exact bytes the real exchange would move
+counts[v, r]; gstrain.distributed.comm_model turns them into the exact bytes the real exchange would move
 (tests/test_dist_render.py checks the model against the counter of a real gloo exchange).
 Per step every rank renders b=1 view drawn from its home views (B = W); bytes scale with b.
 Locality runs as gstrain runs it (dist.count_weight 0.5: the cut balances load and count) and
@@ -42,15 +42,15 @@ import torch
 from bench.city import city_points, look_at, street_centre
 from gstrain.choices import COMPRESSIONS, PARTITIONS
 from gstrain.config import DistConfig
-from gstrain.dist.comm_model import bound_step_bytes, expected_step_bytes
-from gstrain.dist.partition import (
+from gstrain.distributed.comm_model import bound_step_bytes, expected_step_bytes
+from gstrain.distributed.partition import (
     AccessProfile,
     access_profile,
     assign_homes,
     make_partition,
     view_owner_counts,
 )
-from gstrain.dist.view_partition import guarded, view_owners
+from gstrain.distributed.view_partition import guarded, view_owners
 
 WORLDS = (2, 4, 8, 16, 32, 64, 128)
 ROOT = Path(__file__).resolve().parent.parent

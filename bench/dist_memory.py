@@ -1,6 +1,6 @@
 """Memory per rank against N/W: W gloo processes (one device, shared) train the same fixed model.
 
-For every W in --world, W local processes (gstrain.dist.local.run_local) each build a DistTrainer
+For every W in --world, W local processes (gstrain.distributed.local.run_local) each build a DistTrainer
 on the scene with N Gaussians from random points (model.init=random, no densification:
 strategy.refine_stop=0), partition it (dist.partition) and train --steps steps of W·b views.
 Per rank it reports the Gaussians it owns, the exact bytes of its parameters and Adam moments
@@ -107,7 +107,7 @@ def tensor_bytes(tensors: Any) -> int:
 def _worker(rank: int, world: int, scene_dir: str, run_dir: str, model_file: str, overrides: list[dict],
             device_name: str, steps: int) -> dict:  # fmt: skip
     from gstrain.data.colmap import load_scene
-    from gstrain.dist.trainer import DistTrainer
+    from gstrain.distributed.trainer import DistTrainer
     from gstrain.train.trainer import seed_everything
 
     class PresetTrainer(DistTrainer):
@@ -244,7 +244,7 @@ def default_json() -> Path:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from gstrain.dist.local import run_local
+    from gstrain.distributed.local import run_local
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scene", type=Path, default=None, help="COLMAP scene (default: .benchdata/beer or "

@@ -73,9 +73,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from gstrain.config import build_config, parse_override
-    from gstrain.dist.launch import init_from_env
-    from gstrain.dist.local import free_port
-    from gstrain.dist.trainer import DistTrainer
+    from gstrain.distributed.launch import init_from_env
+    from gstrain.distributed.local import free_port
+    from gstrain.distributed.trainer import DistTrainer
     from gstrain.fit_run import _load_scene
     from gstrain.render import resolve_device
     from gstrain.threads import apply_threads

@@ -30,11 +30,11 @@ import torch
 
 from bench.dist_comm import Cameras, beer_cameras, garden_cameras
 from gstrain.config import DistConfig
-from gstrain.dist.partition import assign_homes, make_partition, view_owner_counts
+from gstrain.distributed.partition import assign_homes, make_partition, view_owner_counts
 from gstrain.render.projection import project_gaussians
 
 TILE = 16
-RECORD_BYTES = 48 + 36  # forward record + its gradient (gstrain.dist.layout, float32)
+RECORD_BYTES = 48 + 36  # forward record + its gradient (gstrain.distributed.layout, float32)
 HALO_BYTES_PER_PX = 5 * 3 * 4 * 2  # 5 px deep, 3 channels, float32, image forward + gradient back
 
 

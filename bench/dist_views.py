@@ -1,5 +1,5 @@
 """dist.partition=views against locality, virtual: bytes and balance, with and without the
-regroupings, and before its balance guard (gstrain/dist/view_partition.py; this study came first).
+regroupings, and before its balance guard (gstrain/distributed/view_partition.py; this study came first).
 
     1. views split into W equal groups by recursive bisection of their centroids (the mean
        position of the Gaussians each view touches), along the longest axis;
@@ -8,7 +8,7 @@ regroupings, and before its balance guard (gstrain/dist/view_partition.py; this 
     3. groups = gstrain's homes (assign_homes) under that partition; back to 2, `--iters` times.
 
 The rows here are before the guard (dist.max_imbalance: training falls back to locality beyond
-1.5x the mean load or count). Bytes from gstrain.dist.comm_model, one view per rank per step.
+1.5x the mean load or count). Bytes from gstrain.distributed.comm_model, one view per rank per step.
 
     OMP_NUM_THREADS=2 python -m bench.dist_views [--scenes garden,city] [--world 2,8] [--iters 3]
 """
@@ -21,9 +21,9 @@ import torch
 
 from bench.dist_comm import scene_city, scene_garden
 from gstrain.config import DistConfig
-from gstrain.dist.comm_model import expected_step_bytes
-from gstrain.dist.partition import AccessProfile, assign_homes, make_partition, view_owner_counts
-from gstrain.dist.view_partition import view_owners
+from gstrain.distributed.comm_model import expected_step_bytes
+from gstrain.distributed.partition import AccessProfile, assign_homes, make_partition, view_owner_counts
+from gstrain.distributed.view_partition import view_owners
 
 
 def _row(prof: AccessProfile, owner: torch.Tensor, load: torch.Tensor, world: int) -> tuple[float, float, float]:

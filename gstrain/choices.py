@@ -24,7 +24,7 @@ IMAGES_ON = ("auto", "gpu", "host", "disk")
 # train.appearance: no per-image colour correction, or a learned 3x4 affine colour transform per
 # training image (exposure and white balance; gstrain/train/appearance.py)
 APPEARANCE_MODES = ("none", "affine")
-PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (gstrain/dist/partition.py)
+PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (distributed/partition.py)
 COMPRESSIONS = ("none", "fp16")  # records on the wire between ranks
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 

@@ -72,7 +72,7 @@ def kept_line(run_dir: Path, scene: Path) -> str:
 def run_fit(req: FitRequest, log: Log) -> int:
     """Train as asked; returns the exit code (0 done or paused, 130 interrupted, 3 NaN)."""
     from gstrain.config import build_config, parse_override
-    from gstrain.dist.launch import finish_process_group, init_from_env, on_rank_zero, torchrun_world
+    from gstrain.distributed.launch import finish_process_group, init_from_env, on_rank_zero, torchrun_world
     from gstrain.render import resolve_device
     from gstrain.run_dir import (
         check_new_run_dir,
@@ -103,7 +103,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
         check_host(cfg.viewer.host, "viewer.host")
     dev = resolve_device(cfg.train.device)
     world = torchrun_world(cfg.dev.always_distributed)
-    if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/dist)
+    if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/distributed)
         _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
     threads = apply_threads(cfg.train.threads, dev, log)
     loaded = _load_scene(scene, cfg, log)
@@ -139,7 +139,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
         else:
             on_rank_zero(lambda: create_run_dir(run_dir, scene, cfg, lock))
         if world:
-            from gstrain.dist.trainer import DistTrainer
+            from gstrain.distributed.trainer import DistTrainer
 
             trainer = DistTrainer(cfg, loaded, run_dir, dev, log=log)
         else:

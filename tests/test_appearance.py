@@ -268,7 +268,7 @@ def _sharded_cfg(stop_at: int = 0) -> object:
 
 
 def _sharded_fit(rank: int, world: int, scene: str, root: str) -> dict:
-    from gstrain.dist.trainer import DistTrainer
+    from gstrain.distributed.trainer import DistTrainer
 
     out = {}
     for name, stop_at, resume in (("whole", 0, False), ("paused", 6, False), ("paused", 0, True)):
@@ -282,7 +282,7 @@ def _sharded_fit(rank: int, world: int, scene: str, root: str) -> dict:
 
 
 def test_two_ranks_hold_one_table_equal_to_one_process_and_resume_it(demo_scene, tmp_path):
-    from gstrain.dist.local import run_local
+    from gstrain.distributed.local import run_local
 
     cfg = _sharded_cfg()
     data = load_scene(demo_scene, factor=1, test_every=cfg.data.test_every)

@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from gstrain.dist.comm_model import bound_step_bytes, expected_step_bytes, remote_lower_bound
+from gstrain.distributed.comm_model import bound_step_bytes, expected_step_bytes, remote_lower_bound
 
 
 def _partitions(n: int, world: int, shard: int):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from gstrain.choices import ATOMIC_MODES
-from gstrain.dist.local import run_local
-from gstrain.dist.partition import round_robin_partition, shard_indices
-from gstrain.dist.sharded_render import ViewBatch, render_sharded
+from gstrain.distributed.local import run_local
+from gstrain.distributed.partition import round_robin_partition, shard_indices
+from gstrain.distributed.sharded_render import ViewBatch, render_sharded
 from gstrain.render.common import RasterOptions
 
 pytestmark = pytest.mark.cuda
@@ -145,7 +145,7 @@ _MOVED = {"dist": {"backend": "gloo", "reprofile_every": 6, "rebalance_above": 1
 def _fit(rank: int, world: int, scene: str, run: str, extra: dict) -> dict:
     from gstrain.config import build_config
     from gstrain.data.colmap import load_scene
-    from gstrain.dist.trainer import DistTrainer
+    from gstrain.distributed.trainer import DistTrainer
 
     cfg = build_config(None, [_TRAIN, extra])
     trainer = DistTrainer(cfg, load_scene(Path(scene), factor=1), Path(run), torch.device("cuda"), log=lambda m: None)

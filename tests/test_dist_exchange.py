@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gstrain.dist.exchange import CommCounter, exchange
-from gstrain.dist.local import run_local
+from gstrain.distributed.exchange import CommCounter, exchange
+from gstrain.distributed.local import run_local
 
 N, K = 57, 9
 
@@ -109,7 +109,7 @@ def _state(rows: torch.Tensor) -> dict:
 
 
 def _migrate(rank: int, world: int) -> dict:
-    from gstrain.dist.migrate import move_rows
+    from gstrain.distributed.migrate import move_rows
 
     order = torch.randperm(sum(SIZES), generator=torch.Generator().manual_seed(1))  # every rank: same plan
     rows = [6, 2, 6]

@@ -116,7 +116,7 @@ def _hold(rank: int, world: int, polls: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from gstrain.dist.trainer import hold_while_paused
+    from gstrain.distributed.trainer import hold_while_paused
 
     dist.barrier()  # both ranks past their imports: the clocks start together
     t0 = time.monotonic()
@@ -126,7 +126,7 @@ def _hold(rank: int, world: int, polls: int) -> float:
 
 def test_a_paused_page_holds_every_rank_until_it_resumes():
     """Rank 0's pause (6 polls of 0.05 s here) holds rank 1 as well; a page not paused holds nobody."""
-    from gstrain.dist.local import run_local
+    from gstrain.distributed.local import run_local
 
     held = run_local(_hold, 2, 6, timeout=180)  # two processes importing torch on a busy machine
     assert all(h >= 6 * 0.05 for h in held), held

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from gstrain.dist.comm_model import OPS, expected_step_bytes, step_bytes
-from gstrain.dist.partition import (
+from gstrain.distributed.comm_model import OPS, expected_step_bytes, step_bytes
+from gstrain.distributed.partition import (
     AccessProfile,
     access_profile,
     assign_homes,
@@ -101,7 +101,7 @@ def test_load_imbalance() -> None:
 
 
 def test_load_window_decides_on_the_whole_window_only() -> None:
-    from gstrain.dist.partition import LoadWindow
+    from gstrain.distributed.partition import LoadWindow
 
     window = LoadWindow(2, steps=100, start=0)
     assert window.add([9.0, 1.0], 25) is None  # one check's skew (a few views) decides nothing

@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from gstrain.dist.comm_model import OPS, step_bytes
-from gstrain.dist.exchange import CommCounter
-from gstrain.dist.local import run_local
-from gstrain.dist.partition import (
+from gstrain.distributed.comm_model import OPS, step_bytes
+from gstrain.distributed.exchange import CommCounter
+from gstrain.distributed.local import run_local
+from gstrain.distributed.partition import (
     access_profile,
     assign_homes,
     locality_partition,
@@ -18,7 +18,7 @@ from gstrain.dist.partition import (
     shard_indices,
     view_owner_counts,
 )  # fmt: skip
-from gstrain.dist.sharded_render import ViewBatch, render_sharded
+from gstrain.distributed.sharded_render import ViewBatch, render_sharded
 from gstrain.render.common import RasterOptions
 from gstrain.render.reference import render_reference
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gstrain.dist.local import run_local
+from gstrain.distributed.local import run_local
 from gstrain.errors import UserError
 from gstrain.train.checkpoint import find_checkpoint
 from tests.cli_util import assert_one_error, assert_user_error, call_cli, run_cli
@@ -147,7 +147,7 @@ def test_two_rank_resume_of_a_mixed_folder_stops_every_rank_with_one_line(run, d
 
 
 def _save_fails_on_rank_one(rank: int, world: int, run: str) -> str:
-    import gstrain.dist.checkpoint as sharded_checkpoint
+    import gstrain.distributed.checkpoint as sharded_checkpoint
 
     if rank == 1:  # its disk is full: write_atomic turns the OSError into one line (a UserError)
         def full(obj, path):

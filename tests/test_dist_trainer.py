@@ -13,7 +13,7 @@ import torch
 
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
-from gstrain.dist.local import run_local
+from gstrain.distributed.local import run_local
 from gstrain.train.trainer import Trainer
 
 BASE = {"train": {"steps": 12, "device": "cpu", "seed": 5},
@@ -43,7 +43,7 @@ def _plain(scene: Path, run: Path, over: dict) -> dict[str, torch.Tensor]:
 
 def _dist_fit(rank: int, world: int, scene: str, run: str, over: dict, resume: bool = False,
               nan_at: int = 0) -> dict:  # fmt: skip
-    from gstrain.dist.trainer import DistTrainer
+    from gstrain.distributed.trainer import DistTrainer
 
     cfg = _cfg(over)
     data = load_scene(Path(scene), factor=1, test_every=cfg.data.test_every)

@@ -7,7 +7,7 @@ densification (refines at steps 100 and 150), one opacity reset (step 150) and a
 (step 100):
 - `single`: one process, one view a step (the plain step);
 - `batch2`: one process, train.batch_size=2 (the batch step);
-- `dist2`:  two gloo ranks (gstrain/dist/local.py), train.batch_size=2 (the sharded step); the
+- `dist2`:  two gloo ranks (gstrain/distributed/local.py), train.batch_size=2 (the sharded step); the
             ranks' shards concatenated in rank order.
 Any change to the numbers of these training paths on the CPU shows up here.
 
@@ -94,7 +94,7 @@ def plain_run(root: Path, batch_size: int) -> dict[str, torch.Tensor]:
 
 def _rank_run(rank: int, world: int, scene: str, run: str) -> dict[str, torch.Tensor]:
     from gstrain.data.colmap import load_scene
-    from gstrain.dist.trainer import DistTrainer
+    from gstrain.distributed.trainer import DistTrainer
 
     cfg = _config(2)
     data = load_scene(Path(scene), factor=cfg.data.factor, test_every=cfg.data.test_every)
@@ -106,7 +106,7 @@ def _rank_run(rank: int, world: int, scene: str, run: str) -> dict[str, torch.Te
 
 def dist_run(root: Path) -> dict[str, torch.Tensor]:
     """Two gloo ranks, batch 2, 200 steps; the shards concatenated in rank order."""
-    from gstrain.dist.local import run_local
+    from gstrain.distributed.local import run_local
 
     scene = _scene(root)
     (root / "run_dist").mkdir()

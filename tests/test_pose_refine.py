@@ -155,7 +155,7 @@ def test_bad_pose_refine_values_are_one_line(demo_scene, tmp_path, key, value):
 
 
 def test_sharded_run_refuses_pose_refine():
-    from gstrain.dist.trainer import _check_sharded
+    from gstrain.distributed.trainer import _check_sharded
     from gstrain.errors import UserError
 
     with pytest.raises(UserError, match="train.pose_refine with several ranks"):

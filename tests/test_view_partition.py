@@ -1,4 +1,4 @@
-"""dist.partition=views (gstrain/dist/view_partition.py): cases worked out by hand, the balance
+"""dist.partition=views (gstrain/distributed/view_partition.py): cases worked out by hand, the balance
 guard, and the per-rank (collective) plan equal to the whole-model plan over gloo processes."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gstrain.dist.local import run_local
-from gstrain.dist.migrate import plan_order
-from gstrain.dist.partition import AccessProfile
-from gstrain.dist.view_partition import guarded, imbalance, view_groups, view_owners, views_plan
+from gstrain.distributed.local import run_local
+from gstrain.distributed.migrate import plan_order
+from gstrain.distributed.partition import AccessProfile
+from gstrain.distributed.view_partition import guarded, imbalance, view_groups, view_owners, views_plan
 
 
 def _line() -> tuple[torch.Tensor, AccessProfile]:
@@ -103,7 +103,7 @@ def test_collective_plan_equals_whole_model_plan() -> None:
 
 
 def test_sparse_votes_equal_dense_votes(monkeypatch) -> None:
-    import gstrain.dist.view_partition as vp
+    import gstrain.distributed.view_partition as vp
 
     g = torch.Generator().manual_seed(9)
     means = torch.rand(300, 3, generator=g) * 10

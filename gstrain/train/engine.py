@@ -11,7 +11,7 @@ The engines (ENGINES names the module of each; a new engine is a module and a li
   batch    train.batch_size views a step, one backward and one optimizer step (train/step.py)
   graph    one view a step, replayed as a CUDA graph where it may (train/graph_step.py)
   sharded  each rank renders its share of the batch from records every owner sends
-           (gstrain/dist/sharded_step.py); only under torchrun with more than one rank
+           (gstrain/distributed/sharded_step.py); only under torchrun with more than one rank
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ENGINES = {  # name -> "module:class"; every class takes (StepContext) and follo
     "eager": "gstrain.train.engine:EagerEngine",
     "batch": "gstrain.train.engine:EagerEngine",  # the eager engine on train.batch_size views
     "graph": "gstrain.train.graph_step:GraphEngine",
-    "sharded": "gstrain.dist.sharded_step:ShardedEngine",
+    "sharded": "gstrain.distributed.sharded_step:ShardedEngine",
 }
 
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (written by distributed runs, gstrain/dist/checkpoint.py), read back whole.
+"""Sharded checkpoints (written by distributed runs, gstrain/distributed/checkpoint.py), read back whole.
 
 A sharded checkpoint is a folder ckpt/step_<N>.shards/ with manifest.json (step, world, partition,
 rows per rank, every shard's size and sha256) and rank<r>.pt, each rank's own trainer state: its

@@ -4,7 +4,7 @@ Data flows one way: scene -> model -> render -> loss -> backward -> optimizer ->
 loop owns the schedule (steps, evaluations, checkpoints, PLY exports, Ctrl-C / SIGTERM, the NaN
 stop, progress and logging); each step goes through the step engine chosen at set-up
 (train/engine.py), which works on a StepContext and never calls back. The distributed trainer
-(gstrain/dist/trainer.py) brings only what is its own: the sharded engine, the ranks' agreement
+(gstrain/distributed/trainer.py) brings only what is its own: the sharded engine, the ranks' agreement
 on stop / NaN / progress every log.progress_every steps, partitioning, and sharded save and load.
 """
 

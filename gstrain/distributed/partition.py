@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gstrain.choices import PARTITIONS  # views: gstrain/dist/view_partition.py
+from gstrain.choices import PARTITIONS  # views: gstrain/distributed/view_partition.py
 from gstrain.render.reference import project_gaussians
 
 __all__ = [
@@ -191,7 +191,7 @@ def make_partition(kind: str, means: Tensor, load: Tensor, world: int, seed: int
     if kind == "round_robin":
         return round_robin_partition(means.shape[0], world)
     if kind == "views":
-        raise ValueError("the views partition needs the access profile: gstrain.dist.view_partition.views_plan")
+        raise ValueError("the views partition needs the access profile: gstrain.distributed.view_partition.views_plan")
     raise ValueError(f"partition must be one of {PARTITIONS}, got {kind!r}")
 
 

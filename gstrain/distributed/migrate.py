@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gstrain.dist.exchange import exchange_objects
-from gstrain.dist.partition import make_partition, morton_codes, shard_indices
+from gstrain.distributed.exchange import exchange_objects
+from gstrain.distributed.partition import make_partition, morton_codes, shard_indices
 from gstrain.train.shards import merge_shards, select_rows
 
 __all__ = ["move_rows", "owners_of", "plan_from_owner", "plan_order"]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gstrain.dist.layout import backward_record_bytes, count_bytes, forward_record_bytes
+from gstrain.distributed.layout import backward_record_bytes, count_bytes, forward_record_bytes
 
 __all__ = ["OPS", "bound_step_bytes", "expected_step_bytes", "per_view_bytes", "remote_lower_bound", "step_bytes"]
 

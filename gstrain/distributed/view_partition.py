@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gstrain.dist.migrate import plan_from_owner, plan_order
-from gstrain.dist.partition import AccessProfile, assign_homes, locality_partition, view_owner_counts
+from gstrain.distributed.migrate import plan_from_owner, plan_order
+from gstrain.distributed.partition import AccessProfile, assign_homes, locality_partition, view_owner_counts
 
 REGROUPINGS = 3
 MAX_IMBALANCE = 1.5  # max / mean of the ranks' load or Gaussian count that `views` may leave

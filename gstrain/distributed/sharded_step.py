@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from gstrain.dist.exchange import CommCounter
-from gstrain.dist.sharded_render import ViewBatch, render_sharded
+from gstrain.distributed.exchange import CommCounter
+from gstrain.distributed.sharded_render import ViewBatch, render_sharded
 from gstrain.train.context import StepContext
 from gstrain.train.engine import UncapturedEngine
 from gstrain.train.step import StepResult

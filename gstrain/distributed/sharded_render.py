@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gstrain.dist.exchange import CommCounter, exchange, exchange_counts, rank_and_world
-from gstrain.dist.layout import META_DTYPE, N_DIFF
+from gstrain.distributed.exchange import CommCounter, exchange, exchange_counts, rank_and_world
+from gstrain.distributed.layout import META_DTYPE, N_DIFF
 from gstrain.render import CUDA_BACKENDS
 from gstrain.render.common import DEFAULT_OPTIONS, RasterOptions, strategy_info, sum_pairs
 from gstrain.render.reference import camera_centre, project_gaussians, rasterize

@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from gstrain.config import Config
 from gstrain.data.scene import Scene
-from gstrain.dist.checkpoint import load_own_shard, save_sharded
-from gstrain.dist.launch import collective_errors
-from gstrain.dist.migrate import move_rows, owners_of, plan_order
-from gstrain.dist.partition import AccessProfile, LoadWindow, access_profile, assign_homes, view_owner_counts
-from gstrain.dist.view_partition import views_plan
+from gstrain.distributed.checkpoint import load_own_shard, save_sharded
+from gstrain.distributed.launch import collective_errors
+from gstrain.distributed.migrate import move_rows, owners_of, plan_order
+from gstrain.distributed.partition import AccessProfile, LoadWindow, access_profile, assign_homes, view_owner_counts
+from gstrain.distributed.view_partition import views_plan
 from gstrain.errors import UserError
 from gstrain.train.checkpoint import load_latest_checkpoint, to_host
 from gstrain.train.context import ShardInfo
@@ -149,7 +149,7 @@ class DistTrainer(Trainer):
     def repartition(self) -> None:
         """Partition again (dist.reprofile_every, dist.rebalance_above): each rank profiles its
         own Gaussians, all share means and loads and plan alike, and only the Gaussians whose
-        owner changes move, with their Adam moments and statistics (gstrain/dist/migrate.py).
+        owner changes move, with their Adam moments and statistics (gstrain/distributed/migrate.py).
         Each rank keeps its own random state. Collective."""
         own_rng = _rng_state()
         prof = self._profile()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gstrain.dist.layout import COUNT_DTYPE, grad_wire_dtype, wire_segments
+from gstrain.distributed.layout import COUNT_DTYPE, grad_wire_dtype, wire_segments
 
 __all__ = ["CommCounter", "CommRecord", "exchange", "exchange_counts", "exchange_objects", "rank_and_world"]
 
