@@ -321,7 +321,15 @@ def render(
 
 def main() -> None:
     """Console entry point: one line and exit 2 for bad input, whatever layer noticed it."""
-    sys.exit(_run_app())
+    code = _run_app()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun rank leaves without the interpreter's teardown: gloo's worker threads may
+        # still be dropping a finished collective, which needs the GIL that teardown takes away
+        # (an abort, seen 1 run in ~40). Everything the command wrote is closed and renamed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _run_app() -> int:
