@@ -161,7 +161,7 @@ def _fake_training(store, n: int, steps: int = 50) -> torch.Tensor:
         (idx, image), = draw_views(store, sampler)
         gt = image.float() / 255.0
         grad = torch.stack([gt[..., c].mean() for c in range(3)] + [gt.std(), gt.max(), gt.min(),
-                            gt[: gt.shape[0] // 2].mean(), torch.tensor(float(idx))]).double()
+                            gt[: gt.shape[0] // 2].mean(), torch.tensor(float(idx), device=gt.device)]).double().cpu()
         params -= 0.01 * (grad - params) * (1 + step % 3)
     store.close()
     return params
