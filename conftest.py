@@ -41,3 +41,19 @@ def beer_scene() -> Path:
     if not path.is_dir():
         pytest.skip("../shared/data/beer is not present on this machine")
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
+    """A 4-step run of the 64 px demo scene with checkpoints at steps 2 and 4 (one per test module)."""
+    from cli_util import fit_tiny_run
+
+    return fit_tiny_run(tmp_path_factory.mktemp("tiny") / "run", demo_scene)
+
+
+@pytest.fixture
+def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
+    """A copy of tiny_run, for a test that damages or overwrites its files."""
+    from cli_util import copy_run
+
+    return copy_run(tiny_run, tmp_path)

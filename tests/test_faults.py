@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_util import TINY, assert_one_error, call_cli, copy_run, fit_tiny_run
+from cli_util import TINY, assert_one_error, call_cli
 
 from gstrain.train.checkpoint import list_checkpoints
 
@@ -26,18 +26,6 @@ def _digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
-    """A 4-step run of the 64 px demo scene with checkpoints at steps 2 and 4."""
-    run = fit_tiny_run(tmp_path_factory.mktemp("faults") / "run", demo_scene)
-    assert [s for s, _ in list_checkpoints(run)] == [2, 4]
-    return run
-
-
-@pytest.fixture
-def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
-    return copy_run(tiny_run, tmp_path)
 
 
 # ------------------------------------------------------------ files gstrain did not write

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_util import TINY, assert_one_error, call_cli, copy_run, fit_tiny_run
+from cli_util import TINY, assert_one_error, call_cli
 
 
 def _files(folder: Path) -> dict[str, tuple[str, int]]:
@@ -44,17 +44,6 @@ def _umask(mask: int) -> Iterator[None]:
     finally:
         os.umask(old)
 
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
-    """A 4-step run of the 64 px demo scene with checkpoints at steps 2 and 4."""
-    run = fit_tiny_run(tmp_path_factory.mktemp("files") / "run", demo_scene)
-    return run
-
-
-@pytest.fixture
-def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
-    return copy_run(tiny_run, tmp_path)
 
 
 def _num_gaussians(run: Path) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_util import assert_one_error, call_cli, copy_run, fit_tiny_run
+from cli_util import assert_one_error, call_cli
 from plyfile import PlyData, PlyElement
 
 from gstrain.data.ply_points import read_ply_points
@@ -29,16 +29,6 @@ RENDER = ["--frames", "2", "--size", "16x16"]
 def _state(path: Path) -> tuple[str, int]:
     return hashlib.sha256(path.read_bytes()).hexdigest(), stat.S_IMODE(path.stat().st_mode)
 
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> Path:
-    run = fit_tiny_run(tmp_path_factory.mktemp("prov") / "run", demo_scene)
-    return run
-
-
-@pytest.fixture
-def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
-    return copy_run(tiny_run, tmp_path)
 
 
 def _means(run: Path) -> torch.Tensor:
