@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -323,12 +324,16 @@ def main() -> None:
     """Console entry point: one line and exit 2 for bad input, whatever layer noticed it."""
     code = _run_app()
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A torchrun rank leaves without the interpreter's teardown: gloo's worker threads may
-        # still be dropping a finished collective, which needs the GIL that teardown takes away
-        # (an abort, seen 1 run in ~40). Everything the command wrote is closed and renamed by now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        if code == 0:
+            # A finished rank leaves without the interpreter's teardown: gloo's worker threads may
+            # still be dropping a finished collective, which needs the GIL that teardown takes away
+            # (an abort, seen once in ~40 runs). Everything the command wrote is closed by now.
+            os._exit(0)
+        # torchrun ends every other rank as soon as one exits non-zero: the others, which met the
+        # same fault (a damaged checkpoint is read by every rank), get a moment to say it themselves
+        time.sleep(1.0)
     sys.exit(code)
 
 
