@@ -8,6 +8,8 @@ keeps none of its own. Field names are stable: scripts read them.
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ class RunRecord:
     pairs_after: int = 0  # after dev.ellipse_cull (equal to pairs_before without it)
     pairs_views: int = 0
     graphs: dict[str, int] | None = None  # dev.cuda_graphs: captures, graph steps, redos, capacity
+    startup_s: float | None = None  # from the process's start to its first training step (None: not known)
 
     def add_pairs(self, pairs: tuple[int, int, int] | None) -> None:
         if pairs is not None:
@@ -88,6 +91,9 @@ def write_run_record(
         "steps": result.step,
         "first_step": record.first_step,  # where this process began (> 0: resumed)
         "seconds": round(result.seconds, 2),
+        # the command's start-up: from the process's start (interpreter, imports, scene, model,
+        # the step-0 evaluation) to the first training step
+        "startup_seconds": None if record.startup_s is None else round(record.startup_s, 2),
         "num_gaussians": result.num_gaussians,
         "max_gaussians": record.max_gaussians,  # set at the start of fit, raised on every change
         "initial_test_psnr": result.initial_test_psnr,
@@ -128,3 +134,15 @@ def write_run_record(
                                           "received": round(record.comm_received / steps)}
     write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     return summary
+
+
+def seconds_since_process_start() -> float | None:
+    """Seconds since this process started, from the kernel's record of its start (Linux
+    /proc/self/stat, field 22, in clock ticks since boot, against CLOCK_BOOTTIME); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of the whole line
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -40,7 +40,7 @@ from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
 from gstrain.train.pose_refine import attach_pose_refiner
 from gstrain.train.reporting import RunReporting, memory_text
-from gstrain.train.run_record import FitResult, RunRecord, write_run_record
+from gstrain.train.run_record import FitResult, RunRecord, seconds_since_process_start, write_run_record
 from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
 from gstrain.train.step import StepRunner, StepView
 from gstrain.train.strategies import build_strategy, strategy_class
@@ -346,6 +346,8 @@ class Trainer(RunReporting):
         last_psnr = float("nan")
         status, ckpt, saved_at = "done", None, -1
         t_start = time.perf_counter()
+        if start_step < end:
+            self.record.startup_s = seconds_since_process_start()
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not self.lead)
         with _StopFlag(abort_on_second=self.signal_every_step) as signals:
             while self.step < end:

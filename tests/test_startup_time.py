@@ -1,0 +1,29 @@
+"""The command's start-up time (process start to the first training step) in train_summary.json:
+checked against a sleep of known length and against the wall clock around a real fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from gstrain.train.run_record import seconds_since_process_start
+
+
+def test_process_clock_counts_a_known_sleep():
+    code = ("import time; time.sleep(1.5)\n"
+            "from gstrain.train.run_record import seconds_since_process_start as s; print(s())")
+    value = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.5 <= value < 1.5 + 15, value  # the sleep, plus the interpreter's start and the import
+    assert 0 < seconds_since_process_start() < 24 * 3600
+
+
+def test_fit_records_its_startup_between_launch_and_exit(demo_scene, tmp_path):
+    out = tmp_path / "run"
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-m", "gstrain", "fit", str(demo_scene), "--out", str(out), "--steps", "3",
+                    "--set", "log.eval_steps=[]"], check=True, capture_output=True)  # fmt: skip
+    wall = time.monotonic() - began
+    startup = json.loads((out / "train_summary.json").read_text())["startup_seconds"]
+    assert 0.3 < startup < wall, (startup, wall)  # the imports alone take longer than 0.3 s
