@@ -46,8 +46,10 @@ class ShardedEngine(UncapturedEngine):
             batch = ViewBatch(_stacked([c[0] for c in cams]), _stacked([c[1] for c in cams]),
                               [w for _, w in sizes], [h for h, _ in sizes], ctx.shard.homes(idx))  # fmt: skip
         with ctx.timer.phase("forward"):
-            out = render_sharded(ctx.params, batch, ctx.sh_degree(step), ctx.background, ctx.cfg.dist.compress,
-                                 counter=self.comm, backend=ctx.renderer.backend, options=ctx.renderer.options)
+            # render.filter_3d: each owner filters its own Gaussians (rates over every training view)
+            out = render_sharded(ctx.renderer.filtered(ctx.params), batch, ctx.sh_degree(step), ctx.background,
+                                 ctx.cfg.dist.compress, counter=self.comm, backend=ctx.renderer.backend,
+                                 options=ctx.renderer.options)  # fmt: skip
         ctx.strategy.step_pre_backward(ctx.params, ctx.optimizers, step, out.owner_info)
         # one rank exchanged nothing (no zero term to tie in); one view has no mean to take
         loss, terms, gts = (out.zero_term if world > 1 else None), {}, []

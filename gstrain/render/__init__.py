@@ -82,7 +82,7 @@ class Renderer:
         self._filter_views = (viewmats.to(self.device), Ks.to(self.device), sizes)
         self._filter_stale = True
 
-    def _filtered(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    def filtered(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """params through the 3D filter when render.filter_3d is on (recomputing its rates when the
         population changed); else params unchanged."""
         if self.cfg.filter_3d <= 0:
@@ -121,7 +121,7 @@ class Renderer:
         timer: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Render one view. A PhaseTimer, when given, gets the projection / raster_fwd / raster_bwd split."""
-        params = self._filtered(params)
+        params = self.filtered(params)
         if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_cuda
 
@@ -145,7 +145,7 @@ class Renderer:
 
         Camera-space z of each Gaussian's centre, composited with the same weights as colour.
         """
-        params = self._filtered(params)
+        params = self.filtered(params)
         antialiased = self.options.antialiased
         if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_depth_cuda

@@ -32,11 +32,15 @@ def max_sampling_rate(means: Tensor, viewmats: Tensor, Ks: Tensor, sizes: Sequen
     """[N] highest focal / depth (pixels per world unit) over the cameras that see each mean.
 
     means [N,3], viewmats [V,4,4] world-to-camera, Ks [V,3,3], sizes (width, height) per view.
-    A mean no camera sees gets the lowest rate of those seen (the paper's choice), 0 if none is.
+    A mean no camera sees gets the rate of the camera that would sample it finest were it turned
+    towards it: the highest focal / distance to the camera's centre. (The paper gives it the lowest
+    rate of those seen, a minimum over the whole population: each Gaussian's own rate keeps the
+    filter the same on a shard of the model as on all of it, so ranks need not agree on a minimum.)
     One pass over the cameras; no per-Gaussian Python work.
     """
     means = means.detach()
     rate = means.new_zeros(means.shape[0])
+    turned = means.new_zeros(means.shape[0])  # the rate were the camera turned towards the mean
     for viewmat, K, (width, height) in zip(viewmats.to(means), Ks.to(means), sizes, strict=True):
         p = means @ viewmat[:3, :3].T + viewmat[:3, 3]
         z = p[:, 2]
@@ -47,9 +51,8 @@ def max_sampling_rate(means: Tensor, viewmats: Tensor, Ks: Tensor, sizes: Sequen
         seen = (z > NEAR_DEPTH) & (u >= -mx) & (u <= width + mx) & (v >= -my) & (v <= height + my)
         focal = torch.maximum(K[0, 0], K[1, 1])
         rate = torch.where(seen, torch.maximum(rate, focal / z_safe), rate)
-    seen_any = rate > 0
-    lowest = torch.where(seen_any, rate, torch.full_like(rate, float("inf"))).amin() if len(rate) else rate.sum()
-    return torch.where(seen_any | ~torch.isfinite(lowest), rate, lowest)
+        turned = torch.maximum(turned, focal / p.norm(dim=-1).clamp_min(NEAR_DEPTH))
+    return torch.where(rate > 0, rate, turned)
 
 
 def filter_std(rate: Tensor, variance: float) -> Tensor:
