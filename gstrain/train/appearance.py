@@ -74,8 +74,8 @@ def apply_affine(image: Tensor, transform: Tensor) -> Tensor:
 
 class AffineAppearance:
     """The per-image 3x4 colour transforms of the training views, with their own Adam (a
-    corrections.ViewCorrection, graph-safe). The table and its Adam moments keep their storage
-    for the whole run: a checkpoint is copied into them."""
+    corrections.ViewCorrection, graph-safe). The table, its Adam moments and device scalars keep
+    their storage for the whole run (a captured graph reads them): a checkpoint is copied into them."""
 
     name = "appearance"
     graph_safe = True
@@ -115,7 +115,7 @@ class AffineAppearance:
     # ------------------------------------------------------------ CUDA graphs (corrections.py)
     def graph_key(self, step: int) -> Hashable:
         """What a captured step bakes in: whether the table learns at `step`, and the addresses
-        of the table and its moments (a checkpoint load replaces the moments)."""
+        of the table and its moments (kept for the run; a change would need a new capture)."""
         exp_avg, exp_avg_sq = self.graph_adam.moments()
         return (step >= self.start, self.table.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
 
@@ -156,7 +156,7 @@ class AffineAppearance:
             self.table.copy_(table)
         self.optimizer = torch.optim.Adam([self.table], lr=self.lr, eps=1e-15)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.graph_adam = CapturableAdam(self.optimizer, pull=self.lr * self.decay)
+        self.graph_adam.hold(self.optimizer)
 
 
 def build_corrections(cfg: Any, n_views: int, device: torch.device) -> list[Any]:

@@ -61,6 +61,16 @@ class CapturableAdam:
         state = self.ensure_state()
         return state["exp_avg"], state["exp_avg_sq"]
 
+    def hold(self, optimizer: torch.optim.Adam) -> None:
+        """Step `optimizer` from now on (a checkpoint's, over the same parameter), its moments
+        copied into the storage held so far: graphs captured before read the same addresses."""
+        kept = self.moments()
+        self.optimizer = optimizer
+        state = self.ensure_state()
+        for key, storage in zip(("exp_avg", "exp_avg_sq"), kept, strict=True):
+            storage.copy_(state[key])
+            state[key] = storage
+
     def advance(self) -> None:
         """Host: count one step (as torch's step does) and send its step size, sqrt of the second
         bias correction and the pull rate to `scalars` (stream-ordered: the next replay reads them)."""
