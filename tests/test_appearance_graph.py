@@ -201,3 +201,34 @@ def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path,
     engine.settle()
     assert reloads == [(7, 2), (8, 6), (9, 3)]
     assert _count(appearance) == 5  # not 8: the redone replays' counts were taken back first
+
+
+def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene, tmp_path):
+    """What a captured step runs, run eagerly on the CPU: the view's index only on the device
+    (StepView.slot, no host index), the table's Adam from device scalars (advance, the skip flag
+    set). Twenty steps across the warm-up's end train the very model and table the eager engine
+    trains, bit for bit."""
+    from dataclasses import replace
+
+    from gstrain.train import corrections
+
+    runs = [_cpu_trainer(demo_scene, tmp_path / name) for name in ("eager", "captured")]
+    flag = torch.zeros(1, dtype=torch.int32)
+    for step in range(20):
+        runs[0].train_step(step)
+        ctx = runs[1].ctx
+        (idx,) = ctx.views.draw(ctx.sampler)
+        view = replace(ctx.views.step_view(idx), index=None, slot=torch.tensor([idx], dtype=torch.int32))
+        corrections.advance(ctx.corrections, step)
+        corrections.set_skip_flag(ctx.corrections, flag)
+        try:
+            ctx.runner.run(ctx.params, ctx.optimizers, step, [view], ctx.sh_degree(step), ctx.background,
+                           scheduler=ctx.scheduler)  # fmt: skip
+        finally:
+            corrections.set_skip_flag(ctx.corrections, None)
+    (a,), (b,) = runs[0].ctx.corrections, runs[1].ctx.corrections
+    assert not torch.equal(a.table.detach(), identity_table(len(a.table)))
+    assert torch.equal(a.table.detach(), b.table.detach())
+    assert _count(a) == _count(b) == 20 - 5
+    for key in runs[0].params:
+        assert torch.equal(runs[0].params[key], runs[1].params[key]), key
