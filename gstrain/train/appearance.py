@@ -17,7 +17,7 @@ pulls every correction toward identity (it pins the common part: the scene keeps
 comparisons (tests) divide by the mean gain.
 
 Where it attaches: one StepRunner.corrections entry (train/corrections.py ViewCorrection) applied in
-view_loss and stepped in finish, so the eager, batch and sharded engines all get it. Under
+view_loss and stepped in finish, so every engine gets it (the CUDA-graph one as below). Under
 torchrun every rank holds the whole table; after each backward the table's gradient is summed
 over the ranks (each view's loss sits on its home rank, divided by the batch), so every rank takes
 the same Adam step and the tables stay equal.

@@ -5,7 +5,7 @@ train/pose_refine.py; train.appearance, train/appearance.py), applied by the ste
 A correction may change a training view's camera before it is rendered (`camera`) and/or its
 render before the loss (`image`), and steps its own parameters after the scene's optimizer
 (`after_step`). A correction that does not touch the camera or the image returns its input
-unchanged; a view that is not a training view's (view.index None) gets nothing. StepRunner.corrections
+unchanged; a view that is not a training view's (view.index and view.slot None) gets nothing. StepRunner.corrections
 is the one list, checkpointed under CHECKPOINT_KEY as {name: state_dict}.
 
 Under the CUDA-graph engine (train/graph_step.py) a captured step replays fixed kernels, so a
