@@ -19,11 +19,12 @@ from gstrain.train.trainer import Trainer
 
 
 def graph_trainer(scene: Scene, root: Path, name: str, graphs: bool, mode: str = "warp",
-                  refine_start: int = 4) -> Trainer:  # fmt: skip
+                  refine_start: int = 4, train: dict[str, Any] | None = None) -> Trainer:  # fmt: skip
     """A CUDA trainer in root/name, with or without graph steps, refining every 10 steps from
-    `refine_start` and resetting opacities every 15, its step timing left off."""
+    `refine_start` and resetting opacities every 15, its step timing left off; `train`: more
+    train.* keys (train.appearance, say)."""
     cfg = build_config(overrides=[{
-        "train": {"steps": 500, "device": "cuda"}, "dev": {"cuda_graphs": graphs},
+        "train": {"steps": 500, "device": "cuda", **(train or {})}, "dev": {"cuda_graphs": graphs},
         "render": {"atomic_mode": mode},
         "strategy": {"refine_start": refine_start, "refine_every": 10, "reset_every": 15},
     }])  # fmt: skip

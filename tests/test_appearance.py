@@ -105,15 +105,24 @@ def test_cli_names_a_bad_appearance_value_in_one_line(demo_scene, tmp_path):
     assert_user_error(proc, "train.appearance must be one of none, affine")
 
 
-def test_graph_engine_is_not_chosen_with_a_correction():
-    """The CUDA-graph engine would replay a step whose correction Adam is not captured: with one,
-    the loop runs the eager engine (the policy only; the CUDA path itself needs a GPU)."""
+def test_graphs_run_with_appearance_and_not_with_pose_refinement():
+    """The policy only (the CUDA path itself: test_appearance_graph_cuda.py): the affine correction
+    is graph-safe, pose refinement is not, and the engine note names only what refuses graphs."""
+    from gstrain.train.corrections import engine_note
+    from gstrain.train.pose_refine import PoseRefiner
+
     cfg = SimpleNamespace(dev=SimpleNamespace(cuda_graphs=True), train=SimpleNamespace(batch_size=1))
     renderer = SimpleNamespace(backend="cuda", options=SimpleNamespace(ellipse_cull=True))
     runner = SimpleNamespace(fused_adam=object(), corrections=[])
     assert graphs_possible(cfg, renderer, runner, torch.device("cuda"))
-    runner.corrections = [object()]
+    appearance = AffineAppearance(3, torch.device("cpu"), lr=0.1)
+    runner.corrections = [appearance]
+    assert graphs_possible(cfg, renderer, runner, torch.device("cuda"))
+    pose_cfg = _cfg({"train": {"pose_refine": True}})
+    runner.corrections = [PoseRefiner(torch.ones(3), 1.0, pose_cfg, torch.device("cpu")), appearance]
     assert not graphs_possible(cfg, renderer, runner, torch.device("cuda"))
+    note = engine_note(runner.corrections, "eager")
+    assert "train.pose_refine" in note and "appearance" not in note, note
 
 
 # ----------------------------------------------------------------- known answer on the demo scene

@@ -178,6 +178,7 @@ class _FakeContext:
         self.renderer = type("R", (), {"atomic_threshold": 8, "tuner": None})()
         self.views = TrainViews([torch.zeros(4, 4, 3, dtype=torch.uint8)], [], [None])
         self.watched = False
+        self.corrections: list = []  # per-view corrections (StepContext.corrections): none here
 
     def sh_degree(self, step: int) -> int:
         return 0

@@ -17,11 +17,17 @@ pulls every correction toward identity (it pins the common part: the scene keeps
 comparisons (tests) divide by the mean gain.
 
 Where it attaches: one StepRunner.corrections entry (train/corrections.py ViewCorrection) applied in
-view_loss and stepped in finish, so the eager, batch and sharded engines all get it. Under
+view_loss and stepped in finish, so every engine gets it (the CUDA-graph one as below). Under
 torchrun every rank holds the whole table; after each backward the table's gradient is summed
 over the ranks (each view's loss sits on its home rank, divided by the batch), so every rank takes
-the same Adam step and the tables stay equal. The CUDA-graph engine is not used with a correction
-(graph_step.graphs_possible): its Adam step would need a capturable optimizer and a device-side view index.
+the same Adam step and the tables stay equal.
+
+Under the CUDA-graph engine (train/graph_step.py) the correction is graph-safe: a captured step
+picks the view's row by the view index on the device (StepView.slot), and steps the table with
+train/capturable_adam.py, the same update as torch's Adam with its step size and bias corrections
+refilled on the device before each replay (advance; rewind for a redo). Before
+train.appearance_start a captured step leaves the table as it is, and whether the correction is
+active is part of the graph's epoch key (graph_key), so the graph is captured again when it starts.
 
 Test views (eval, the training loop's test evaluations): `raw` scores the render as it is;
 `fitted_half` fits the test view's affine correction by least squares on the left half of the image
@@ -30,11 +36,13 @@ Test views (eval, the training loop's test evaluations): `raw` scores the render
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gstrain.train.capturable_adam import CapturableAdam
 from gstrain.train.step import StepView
 
 # How each test-view protocol is named in metrics.json and the printed lines
@@ -66,21 +74,26 @@ def apply_affine(image: Tensor, transform: Tensor) -> Tensor:
 
 class AffineAppearance:
     """The per-image 3x4 colour transforms of the training views, with their own Adam (a
-    corrections.ViewCorrection). The table keeps its storage for the whole run: a checkpoint is copied
-    into it."""
+    corrections.ViewCorrection, graph-safe). The table, its Adam moments and device scalars keep
+    their storage for the whole run (a captured graph reads them): a checkpoint is copied into them."""
 
     name = "appearance"
+    graph_safe = True
 
     def __init__(self, n_views: int, device: torch.device, lr: float, decay: float = 0.0, start: int = 0) -> None:
         self.table = torch.nn.Parameter(identity_table(n_views, device))
         self.identity = identity_table(n_views, device)
         self.lr, self.decay, self.start = float(lr), float(decay), int(start)
         self.optimizer = torch.optim.Adam([self.table], lr=self.lr, eps=1e-15)
+        self.graph_adam = CapturableAdam(self.optimizer, pull=self.lr * self.decay)
+        self._skip: Tensor | None = None  # the skip flag while a CUDA graph of the step is captured
 
     def camera(self, viewmat: Tensor, view: StepView, step: int) -> Tensor:
         return viewmat  # colours only
 
     def image(self, image: Tensor, view: StepView) -> Tensor:
+        if view.slot is not None:  # a captured step: the row chosen on the device
+            return apply_affine(image, self.table.index_select(0, view.slot.reshape(1).long())[0])
         if view.index is None:  # not a training view: nothing learned for it
             return image
         return apply_affine(image, self.table[view.index])
@@ -89,12 +102,38 @@ class AffineAppearance:
         if step < self.start:  # warm-up: the transforms stay identity while the scene settles
             self.table.grad = None
             return
+        if self._skip is not None:  # inside a capture: the device-scalar Adam, the same update
+            self.graph_adam.step(self._skip, self.identity if self.decay else None)
+            return
         self._sum_over_ranks()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.decay:
             with torch.no_grad():
                 self.table.sub_((self.table - self.identity) * (self.lr * self.decay))
+
+    # ------------------------------------------------------------ CUDA graphs (corrections.py)
+    def graph_key(self, step: int) -> Hashable:
+        """What a captured step bakes in: whether the table learns at `step`, and the addresses
+        of the table and its moments (kept for the run; a change would need a new capture)."""
+        exp_avg, exp_avg_sq = self.graph_adam.moments()
+        return (step >= self.start, self.table.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+
+    def advance(self, step: int) -> None:
+        """Before a replay of step `step`: count the table's Adam step as after_step would."""
+        if step >= self.start:
+            self.graph_adam.advance()
+
+    def rewind(self, steps: Sequence[int]) -> None:
+        """Take back advance()'s counts of the replayed `steps` a redo repeats."""
+        counted = sum(1 for s in steps if s >= self.start)
+        if counted:
+            self.graph_adam.rewind(counted)
+
+    def set_skip_flag(self, flag: Tensor | None) -> None:
+        """A capture begins (flag: the device flag that makes the update a no-op) or ends (None)."""
+        self._skip = flag
+        self.table.grad = None
 
     def _sum_over_ranks(self) -> None:
         """Under torchrun each view's gradient is on its home rank only: the sum makes every rank's
@@ -117,6 +156,7 @@ class AffineAppearance:
             self.table.copy_(table)
         self.optimizer = torch.optim.Adam([self.table], lr=self.lr, eps=1e-15)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.graph_adam.hold(self.optimizer)
 
 
 def build_corrections(cfg: Any, n_views: int, device: torch.device) -> list[Any]:

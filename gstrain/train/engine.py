@@ -95,7 +95,7 @@ def choose_engine(ctx: StepContext) -> str:
     exchange to itself, so it runs the plain engines."""
     if ctx.shard is not None and ctx.shard.world > 1:
         return "sharded"
-    if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device):  # (none with per-view corrections)
+    if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device):  # (none with a non-graph-safe correction)
         return "graph"
     return "batch" if ctx.batch_size > 1 else "eager"
 

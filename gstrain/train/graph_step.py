@@ -18,7 +18,10 @@ What a graph freezes, and how each is handled:
   and on the canvas views share a graph per capacity class (capacity_class);
 - per-step values: Adam's step sizes and bias corrections come from a device tensor refilled
   before each replay (fused_adam.advance); the view's camera, image (and on the canvas its size
-  and statistics row) are copied into the graph's inputs;
+  and statistics row) are copied into the graph's inputs. A graph-safe per-view correction
+  (train/corrections.py; train.appearance) reads the view's index from the device (StepView.slot)
+  and refills its own Adam scalars (corrections.advance); one that is not (train.pose_refine)
+  keeps the run off graphs (graphs_possible);
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
   (dev.time_every), ARC's tuning calls, masked views, the first step, and a graph key's first
   CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an eager step does,
@@ -42,7 +45,7 @@ import torch
 from torch import Tensor
 
 from gstrain.render.isect import PairBudget
-from gstrain.train import fused_adam
+from gstrain.train import corrections, fused_adam
 from gstrain.train.context import StepContext
 from gstrain.train.step import StepResult, StepView
 
@@ -166,7 +169,8 @@ class GraphEngine:
         params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
         states = (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
         moments = tuple(tuple(s[k].data_ptr() if k in s else None for k in ("exp_avg", "exp_avg_sq")) for s in states)
-        return (params, moments, t.strategy.graph_key(step), t.sh_degree(step), t.renderer.atomic_threshold)
+        return (params, moments, t.strategy.graph_key(step), t.sh_degree(step), t.renderer.atomic_threshold,
+                corrections.graph_key(t.corrections, step))
 
     def _new_epoch(self, key: tuple | None) -> None:
         if self.graphs and self.stream is not None:
@@ -279,6 +283,7 @@ class GraphEngine:
         host[:-1] = torch.tensor(fused_adam.advance(t.optimizers), dtype=torch.float32)
         host[-1] = float(step + 1)
         self.scalars.copy_(host, non_blocking=True)
+        corrections.advance(t.corrections, step)
         t.scheduler.step()
         viewmat, K = t.views.cams[idx]
         image = t.views.images[idx]
@@ -295,14 +300,16 @@ class GraphEngine:
                 inputs["valid"] = self.view_ints[:2]
         self.camera["viewmat"].copy_(viewmat)
         self.camera["K"].copy_(K)
+        ints = self.pinned_ints[self.slot]
         if self.canvas is not None:  # the view in the top-left corner; the rest is outside its size
             height, width = image.shape[:2]
             inputs["image"][:height, :width].copy_(image)
-            ints = self.pinned_ints[self.slot]
-            ints[0], ints[1], ints[2] = width, height, idx
-            self.view_ints.copy_(ints, non_blocking=True)
+            ints[0], ints[1] = width, height
         else:
             inputs["image"].copy_(image)
+        if self.canvas is not None or t.corrections:  # the view's index: its statistics row, its corrections' row
+            ints[2] = idx
+            self.view_ints.copy_(ints, non_blocking=True)
         return inputs
 
     def _release_slot(self) -> None:
@@ -323,6 +330,7 @@ class GraphEngine:
         renderer.options = replace(options, pair_budget=budget, valid_size=inputs.get("valid"))
         runner.graph_adam = (self.scalars, self.budget.flag)
         t.strategy.set_skip_flag(self.budget.flag)
+        corrections.set_skip_flag(t.corrections, self.budget.flag)
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
@@ -335,7 +343,8 @@ class GraphEngine:
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     gt = inputs["image"].float() / 255.0
-                    view = StepView(inputs["viewmat"], inputs["K"], gt, None, inputs.get("valid"))
+                    view = StepView(inputs["viewmat"], inputs["K"], gt, None, inputs.get("valid"),
+                                    slot=self.view_ints[2:])  # fmt: skip
                     result = runner.run(t.params, t.optimizers, step, [view], t.sh_degree(step), t.background,
                                         scheduler=None)  # fmt: skip
                 finally:
@@ -346,6 +355,7 @@ class GraphEngine:
             renderer.options = options
             runner.graph_adam = None
             t.strategy.set_skip_flag(None)
+            corrections.set_skip_flag(t.corrections, None)
             t.timer.enabled = timed
         current.wait_stream(self.stream)
         self.captures += 1
@@ -367,6 +377,7 @@ class GraphEngine:
         self.views += len(self.unsettled) - len(redo)
         self.unsettled.clear()
         fused_adam.rewind(t.optimizers, len(redo))
+        corrections.rewind(t.corrections, [s for s, _ in redo])
         t.scheduler.rewind(len(redo))
         self.budget.flag.zero_()
         # the overflowed view's group: its most pairs (the overflowed view included) set its new capacity
@@ -404,9 +415,9 @@ class GraphEngine:
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
     """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
-    single-view steps, no per-view correction (its Adam and view index are not graph-safe)."""
+    single-view steps, no per-view correction that is not graph-safe (corrections.graph_refusers)."""
     return (
         bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
         and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
-        and not getattr(runner, "corrections", None)
+        and not corrections.graph_refusers(getattr(runner, "corrections", []))
     )  # fmt: skip

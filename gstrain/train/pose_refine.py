@@ -33,7 +33,7 @@ from torch import Tensor
 
 from gstrain.data.scene import View
 from gstrain.errors import UserError
-from gstrain.train.corrections import saved_correction
+from gstrain.train.corrections import EagerOnly, saved_correction
 
 _BETAS = (0.9, 0.999)
 _EPS = 1e-15
@@ -72,9 +72,9 @@ def pivot_depths(viewmats: Sequence[Tensor], points: Any, extent: float) -> Tens
     return torch.tensor(depths, dtype=torch.float32)
 
 
-class PoseRefiner:
+class PoseRefiner(EagerOnly):
     """The training views' pose corrections and their per-view Adam (a ViewCorrection,
-    train/corrections.py)."""
+    train/corrections.py; not graph-safe: its rows and step counts are chosen on the host)."""
 
     name = STATE_KEY
 
@@ -174,7 +174,7 @@ def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: fl
                         device: torch.device, log: Any = print) -> PoseRefiner | None:  # fmt: skip
     """With train.pose_refine: a PoseRefiner on the step's corrections (None without). The paths
     that cannot give viewmat gradients are switched off: our fused SH kernel (SH colours go through
-    gsplat's, said in one line); the CUDA-graph engine runs no correction (graph_step.graphs_possible)."""
+    gsplat's, said in one line); CUDA graphs, as it is not graph-safe (graph_step.graphs_possible)."""
     if not cfg.train.pose_refine:
         return None
     if renderer.backend == "cuda" and renderer.options.fused_sh:

@@ -58,6 +58,9 @@ class StepView:
     mask: ViewMask | None = None
     valid: Tensor | None = None
     index: int | None = None  # the training view's index: per-view corrections read it (None: not a training view)
+    # the training view's index as an int tensor on the device, inside a captured CUDA-graph step
+    # (the host's index would be baked into the graph); corrections read it when set
+    slot: Tensor | None = None
 
 
 BatchView = StepView  # the name bench scripts know

@@ -32,7 +32,7 @@ from gstrain.render import Renderer
 from gstrain.train.appearance import build_corrections
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
-from gstrain.train.corrections import corrections_state, engine_note, saved_correction
+from gstrain.train.corrections import corrections_state, engine_note, graph_refusers, saved_correction
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.masking import prepare_mask
@@ -129,7 +129,7 @@ class Trainer(RunReporting):
             shard=self._shard(), batch_size=cfg.train.batch_size,
         )  # fmt: skip
         engine = choose_engine(self.ctx)
-        if self.ctx.corrections and engine != "graph" and cfg.dev.cuda_graphs and device.type == "cuda":
+        if graph_refusers(self.ctx.corrections) and engine != "graph" and cfg.dev.cuda_graphs and device.type == "cuda":
             log(engine_note(self.ctx.corrections, engine))
         self.engine: StepEngine = build_engine(engine, self.ctx)
         self._viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)

@@ -1,0 +1,106 @@
+"""train.appearance=affine on the CUDA-graph engine: graph steps (the table's row picked on the
+device, its Adam captured with device scalars) compute the eager steps' function, on one image
+size and on the canvas (views of four sizes), with and without overflow redos, across the warm-up's
+end (appearance_start: a new epoch, captured again). The host side: tests/test_appearance_graph.py.
+Run by bench/gpu_tests.sh."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from test_graph_cuda import _same_model
+
+from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
+from gstrain.data.colmap import load_scene
+from gstrain.data.scene import Scene
+from gstrain.train.appearance import identity_table
+
+pytestmark = pytest.mark.cuda
+
+APPEARANCE = {"appearance": "affine", "appearance_lr": 0.01, "appearance_start": 3, "appearance_decay": 0.1}
+STEPS = 30
+TABLE_TOL = 1e-3  # a tenth of one Adam step of the table (its rate 0.01): a lost, doubled or stale step moves more
+
+
+def _exposed(scene: Scene) -> Scene:
+    """The scene with each training photo given its own colour gains, so the table has something to learn."""
+    train = []
+    for i, v in enumerate(scene.train):
+        gain = torch.tensor([1 + 0.2 * math.sin(i), 1 + 0.15 * math.cos(i), 1 - 0.1 * math.sin(2 * i)])
+        image = (v.image.float() * gain).clamp(0, 255).round().to(torch.uint8)
+        train.append(replace(v, image=image))
+    return replace(scene, train=train)
+
+
+def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
+    """A graph run and an eager run from the same start, STEPS steps each; every step's exact loss
+    (a graph run's settled, so a redone replay's loss counts)."""
+    from gstrain.train import graph_step
+    from gstrain.train.trainer import seed_everything
+
+    runs = {}
+    for name, graphs in (("graph", True), ("eager", False)):
+        seed_everything(0)
+        runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=APPEARANCE)
+    assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
+    if overflow:  # buffers for a fifth of the most pairs seen: the first replays overflow and are redone
+        monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
+        monkeypatch.setattr(graph_step, "CAPACITY_MARGIN", 0.2)
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(STEPS):
+        for name, run in runs.items():
+            torch.cuda.manual_seed(1000 + step)
+            run.step = step
+            loss = run.train_step(step)[0]
+            if run.graphs is not None:
+                redone = run.graphs.settle()
+                loss = redone.loss if redone is not None else loss
+            losses[name].append(float(loss))
+    return runs["graph"], runs["eager"], losses
+
+
+def _same_table(graphed, eager) -> None:
+    (a,), (b,) = graphed.ctx.corrections, eager.ctx.corrections
+    moved = float((b.table.detach() - identity_table(len(b.table), "cuda")).abs().max())
+    assert moved > 10 * TABLE_TOL, moved  # it learned: the comparison below means something
+    diff = float((a.table.detach() - b.table.detach()).abs().max())
+    assert diff < TABLE_TOL, diff
+    steps = [float(c.optimizer.state[c.table]["step"]) for c in (a, b)]
+    assert steps == [STEPS - APPEARANCE["appearance_start"]] * 2, steps  # no Adam step lost or doubled
+    for x, y in zip(a.graph_adam.moments(), b.graph_adam.moments(), strict=True):
+        assert float((x - y).abs().max()) <= 1e-3 * float(y.abs().max()) + 1e-12
+
+
+def _graph_steps_ran(g, overflow: bool) -> None:
+    assert g.views >= 20 and g.captures >= 3, g.summary()  # the warm-up's end starts an epoch of its own
+    assert sum(g.eager_steps.values()) + g.views == STEPS, g.summary()
+    assert g.redos >= 1 or not overflow, g.summary()
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_graph_steps_with_appearance_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow):
+    graphed, eager, losses = _run_pair(_exposed(load_scene(demo_scene)), tmp_path, monkeypatch, overflow)
+    g = graphed.graphs
+    assert g.canvas is None, g.summary()  # one size: the per-size path, its view index added for the table
+    _graph_steps_ran(g, overflow)
+    for step, (x, y) in enumerate(zip(losses["graph"], losses["eager"], strict=True)):
+        assert abs(x - y) <= 1e-5 * abs(y), (step, x, y)
+    _same_table(graphed, eager)
+    _same_model(graphed, eager, 1e-4)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_canvas_graph_steps_with_appearance_equal_eager_canvas_steps(demo_scene, tmp_path, monkeypatch, overflow):
+    scene = mixed_sizes(_exposed(load_scene(demo_scene)))
+    eager_steps_on_the_canvas(monkeypatch, (64, 64))
+    graphed, eager, losses = _run_pair(scene, tmp_path, monkeypatch, overflow)
+    g = graphed.graphs
+    assert g.canvas is not None and g.canvas[:2] == (64, 64), g.summary()
+    _graph_steps_ran(g, overflow)
+    for step, (x, y) in enumerate(zip(losses["graph"], losses["eager"], strict=True)):
+        assert abs(x - y) <= 1e-5 * abs(y), (step, x, y)
+    _same_table(graphed, eager)
+    _same_model(graphed, eager, 1e-4)
