@@ -63,8 +63,8 @@ class StepView:
     valid: Tensor | None = None
     index: int | None = None  # the training view's index: per-view corrections read it (None: not a training view)
     budget: PairBudget | None = None
-    # the training view's index on the device ([1] int32), refilled before each replay of a
-    # CUDA-graph step, where `index` is the captured view's
+    # the training view's index on the device ([1] int32) in a CUDA-graph step, refilled before
+    # each replay: a captured step may not read `index` (the host value is frozen at capture)
     slot: Tensor | None = None
 
 
