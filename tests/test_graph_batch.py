@@ -259,3 +259,22 @@ def test_a_views_pair_budget_reaches_the_renderer_for_that_view_only(demo_scene,
     assert seen[0] is None and seen[1].pair_budget is budget and seen[1].valid_size is None
     assert seen[1].atomic_mode == own.atomic_mode and seen[1].ellipse_cull == own.ellipse_cull
     assert trainer.renderer.options is own and own.pair_budget is None
+
+
+def test_a_batch_set_up_chooses_the_graph_engine_where_graphs_apply():
+    """graphs_possible no longer asks for one view a step; where it says no (the CPU), a batch
+    runs the eager batch engine as before."""
+    from types import SimpleNamespace
+
+    from gstrain.train.engine import choose_engine
+    from gstrain.train.graph_step import graphs_possible
+
+    cfg = SimpleNamespace(dev=SimpleNamespace(cuda_graphs=True), train=SimpleNamespace(batch_size=2))
+    renderer = SimpleNamespace(backend="cuda", options=SimpleNamespace(ellipse_cull=True))
+    runner = SimpleNamespace(fused_adam=object(), corrections=[], renderer=renderer)
+    assert graphs_possible(cfg, renderer, runner, torch.device("cuda"))
+    ctx = SimpleNamespace(shard=None, cfg=cfg, renderer=renderer, runner=runner, device=torch.device("cuda"),
+                          batch_size=2)  # fmt: skip
+    assert choose_engine(ctx) == "graph"
+    ctx.device = torch.device("cpu")
+    assert choose_engine(ctx) == "batch"
