@@ -8,8 +8,11 @@ evaluation and checkpoints are left out. Alternating blocks puts both under the 
 
     python -m bench.batch_overhead SCENE [--batch 2] [--views 3000] [--block 100] [--set KEY=VALUE ...]
 
-Prints ms per view for each, the ratio (total and median of the block ratios) and each trainer's
-engine. Writes `$OUT/batch_overhead.json` when OUT is set.
+Each trainer runs the engine `gstrain fit` would choose for it (train/engine.py): on a GPU with
+dev.cuda_graphs both are CUDA-graph steps (the batch's graph holds its B views), so the ratio is
+batch graph against single-view graph. Prints ms per view for each, the ratio (total and median of
+the block ratios) and each trainer's engine, with a warning when they differ. Writes
+`$OUT/batch_overhead.json` when OUT is set.
 """
 
 from __future__ import annotations
@@ -70,17 +73,24 @@ def main() -> None:
                 states[i] = _rng_state()
             blocks.append((seconds[0], seconds[1]))
         engines = [t.engine.name for t in trainers]
+        for t in trainers:
+            t.engine.settle()  # (the summary counts settled graph steps)
+        graphs = [t.graphs.summary() if t.graphs is not None else None for t in trainers]
         counts = [len(t.params["means"]) for t in trainers]
     single, batch = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
     result = {
         "scene": str(args.scene), "views": args.views, "batch": args.batch, "block": args.block, "sets": args.sets,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "engines": {"single": engines[0], "batch": engines[1]},
+        "cuda_graphs": {"single": graphs[0], "batch": graphs[1]},
         "single_ms_per_view": 1e3 * single / args.views, "batch_ms_per_view": 1e3 * batch / args.views,
         "ratio_total": batch / single, "ratio_median_block": statistics.median(b / s for s, b in blocks),
         "gaussians_end": {"single": counts[0], "batch": counts[1]}, "blocks_s": blocks,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "blocks_s"}, indent=1))
+    print(f"engines: single={engines[0]} batch={engines[1]}")
+    if engines[0] != "graph" or engines[1] != "graph":
+        print("warning: not graph against graph (dev.cuda_graphs off, not on a GPU, or a feature that runs eagerly)")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "batch_overhead.json").write_text(json.dumps(result, indent=1))
 

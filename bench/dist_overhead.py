@@ -46,6 +46,7 @@ def _block(trainer, steps: int, progress_every: int, time_every: int, agree: boo
         loss = trainer.train_step(trainer.step)[0]
         trainer.step += 1
         if trainer.step % progress_every == 0:
+            trainer.engine.settle()  # as fit does before it reads the loss (a graph step's redo, if any)
             if agree:
                 trainer._agree(loss, False, False)
             else:

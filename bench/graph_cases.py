@@ -19,12 +19,14 @@ from gstrain.train.trainer import Trainer
 
 
 def graph_trainer(scene: Scene, root: Path, name: str, graphs: bool, mode: str = "warp",
-                  refine_start: int = 4, train: dict[str, Any] | None = None) -> Trainer:  # fmt: skip
-    """A CUDA trainer in root/name, with or without graph steps, refining every 10 steps from
-    `refine_start` and resetting opacities every 15, its step timing left off; `train`: more
-    train.* keys (train.appearance, say)."""
+                  refine_start: int = 4, batch_size: int = 1, train: dict[str, Any] | None = None,
+                  ) -> Trainer:  # fmt: skip
+    """A CUDA trainer in root/name, with or without graph steps, on `batch_size` views a step,
+    refining every 10 steps from `refine_start` and resetting opacities every 15, its step timing
+    left off; `train`: more train.* keys (train.appearance, say)."""
     cfg = build_config(overrides=[{
-        "train": {"steps": 500, "device": "cuda", **(train or {})}, "dev": {"cuda_graphs": graphs},
+        "train": {"steps": 500, "device": "cuda", "batch_size": batch_size, **(train or {})},
+        "dev": {"cuda_graphs": graphs},
         "render": {"atomic_mode": mode},
         "strategy": {"refine_start": refine_start, "refine_every": 10, "reset_every": 15},
     }])  # fmt: skip
@@ -42,30 +44,29 @@ def mixed_sizes(scene: Scene) -> Scene:
 
 
 def eager_steps_on_the_canvas(monkeypatch: Any, canvas: tuple[int, int]) -> None:
-    """Every eager step as a canvas step: the view padded into the canvas, its size on the device,
-    as a graph step runs it (a canvas step equals the step at the view's own size within float
-    tolerance: test_sized_projection_cuda.py). `monkeypatch`: pytest's, undone by its owner."""
+    """Every eager step as a canvas step: each view (one, or a batch's) padded into the canvas, its
+    size on the device and a pair budget of its own, as a graph step runs it (a canvas step equals
+    the step at the view's own size within float tolerance: test_sized_projection_cuda.py).
+    `monkeypatch`: pytest's, undone by its owner."""
     from gstrain.render.isect import PairBudget
     from gstrain.train.step import StepRunner
 
     original = StepRunner.run
 
-    def on_canvas(self, params, optimizers, step, views, sh_degree, background, scheduler=None):  # fmt: skip
-        if len(views) != 1 or views[0].valid is not None:  # a batch, or a graph step's capture
-            return original(self, params, optimizers, step, views, sh_degree, background, scheduler=scheduler)
-        view = views[0]
+    def padded(view: Any) -> Any:
         gt = view.gt
         height, width = gt.shape[:2]
-        padded = gt.new_zeros((*canvas, gt.shape[2]))
-        padded[:height, :width] = gt
+        on_canvas = gt.new_zeros((*canvas, gt.shape[2]))
+        on_canvas[:height, :width] = gt
         size = torch.tensor([width, height], dtype=torch.int32, device=gt.device)
-        options = self.renderer.options
-        self.renderer.options = replace(options, pair_budget=PairBudget.on(gt.device, 1 << 20), valid_size=size)
-        try:
-            result = original(self, params, optimizers, step, [replace(view, gt=padded, valid=size)], sh_degree,
-                              background, scheduler=scheduler)  # fmt: skip
-        finally:
-            self.renderer.options = options
-        return replace(result, image=result.image[:height, :width])
+        return replace(view, gt=on_canvas, valid=size, budget=PairBudget.on(gt.device, 1 << 20))
+
+    def on_canvas(self, params, optimizers, step, views, sh_degree, background, scheduler=None):  # fmt: skip
+        if any(v.valid is not None for v in views):  # a graph step's capture
+            return original(self, params, optimizers, step, views, sh_degree, background, scheduler=scheduler)
+        height, width = views[0].gt.shape[:2]
+        result = original(self, params, optimizers, step, [padded(v) for v in views], sh_degree, background,
+                          scheduler=scheduler)  # fmt: skip
+        return replace(result, image=result.image[:height, :width], target=views[0].gt)
 
     monkeypatch.setattr(StepRunner, "run", on_canvas)

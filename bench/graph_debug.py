@@ -15,7 +15,7 @@ import torch
 
 from gstrain.config import build_config
 from gstrain.data.inputs import load_scene
-from gstrain.train import graph_step
+from gstrain.train import graph_capacity
 from gstrain.train.trainer import Trainer, seed_everything
 
 NAMES = ("params", "moments", "strategy", "sh", "threshold")
@@ -78,7 +78,7 @@ def main() -> None:
     for k, v in t.strategy.state.items():
         if torch.is_tensor(v):
             print(f"state {k}: diff {(v - e.strategy.state[k]).abs().max().item():.3e} max {v.abs().max().item():.3e}")
-    print("graph summary", t.graphs.summary(), graph_step.CAPACITY_MARGIN)
+    print("graph summary", t.graphs.summary(), graph_capacity.CAPACITY_MARGIN)
 
 
 def lockstep(scene, steps: int, mode: str) -> None:

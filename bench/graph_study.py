@@ -59,10 +59,10 @@ def instrument(trainer: Trainer) -> dict[str, list[float]]:
         entry[0] += 1
         entry[1] += seconds
 
-    def timed_run(step: int, idx: int):
+    def timed_run(step: int, idxs):
         captures, eager = graphs.captures, dict(graphs.eager_steps)
         t0 = time.perf_counter()
-        result = run(step, idx)
+        result = run(step, idxs)
         seconds = time.perf_counter() - t0
         reason = next((k for k, v in graphs.eager_steps.items() if v != eager.get(k, 0)), None)
         add("capture" if graphs.captures != captures else (f"eager:{reason}" if reason else "replay"), seconds)
@@ -169,8 +169,8 @@ def main() -> None:
     before, after, views = graphs.pair_totals()
     # groups: image sizes, or views on the canvas (graph_step.GraphEngine)
     per_group = {(f"view {g}" if isinstance(g, int) else "x".join(map(str, g[:2]))):
-                 {"capacity": graphs.capacities.get(g), "most": most}
-                 for g, most in graphs.group_peak.items()}  # fmt: skip
+                 {"capacity": graphs.groups.capacities.get(g), "most": most}
+                 for g, most in graphs.groups.peak.items()}  # fmt: skip
     sizes = len(set(trainer.ctx.views.shapes()))
     print(json.dumps({"mean_pairs_after_cull": after / max(views, 1), "views": views, "sizes": sizes,
                       "per_group": per_group}),

@@ -22,7 +22,7 @@ import torch
 from bench.graph_cases import graph_trainer
 from gstrain.data.demo import write_demo_scene
 from gstrain.data.inputs import load_scene
-from gstrain.train import graph_step
+from gstrain.train import graph_capacity
 from gstrain.train.trainer import seed_everything
 
 
@@ -43,8 +43,8 @@ def pair(scene, root: Path, kinds: tuple[bool, bool], overflow: bool, per_step: 
     differences and a per-step trace (with `per_step`: each step settled)."""
     mp = pytest.MonkeyPatch()
     if overflow:
-        mp.setattr(graph_step, "CAPACITY_ROUND", 64)
-        mp.setattr(graph_step, "CAPACITY_MARGIN", 0.2)
+        mp.setattr(graph_capacity, "CAPACITY_ROUND", 64)
+        mp.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
     runs = []
     for i, g in enumerate(kinds):
         seed_everything(0)

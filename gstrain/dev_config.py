@@ -31,8 +31,8 @@ class DevConfig:
     # gsplat's spherical_harmonics and the tensor ops around it (a [N, 16, 3] concatenation among
     # them). It saves memory and eager steps' launches; in graph steps it is level with gsplat's
     fused_sh: bool = True
-    # replay single-view steps as CUDA graphs (our CUDA kernels with ellipse_cull and fused Adam):
-    # far less host time a step (gstrain/train/graph_step.py)
+    # replay training steps (one view, or train.batch_size views) as CUDA graphs (our CUDA kernels
+    # with ellipse_cull and fused Adam): far less host time a step (gstrain/train/graph_step.py)
     cuda_graphs: bool = True
     # --- the rest
     atomic_threshold: int = 8  # render.atomic_mode=distwar's lane threshold T, 1..32 (arc tunes its own)

@@ -185,16 +185,16 @@ def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path,
     assert engine._epoch_key(5) == engine._epoch_key(6) == engine._epoch_key(50)
     views = [3, 1, 4, 1, 5, 0, 2, 6, 3]
     for step, idx in enumerate(views, start=1):
-        engine._budget(engine._group(idx), 1 << 16)  # the group's statistics, as a capture makes them
-        engine._load(step, idx)
-        assert int(engine.view_ints[2]) == idx
-        engine.unsettled.append((step, idx))
+        engine._budget(0, engine.groups.group(idx), 1 << 16)  # the group's statistics, as a capture makes them
+        engine._load(step, (idx,))
+        assert int(engine.view_ints[0, 2]) == idx
+        engine.unsettled.append((step, (idx,)))
     assert _count(appearance) == len([s for s in range(1, 10) if s >= 5]) == 5
     reloads = []
 
-    def replay(step: int, idx: int):  # what a replay does on the host: load (the capture is the GPU's)
-        reloads.append((step, idx))
-        engine._load(step, idx)
+    def replay(step: int, idxs: tuple[int, ...]):  # what a replay does on the host: load (the capture is the GPU's)
+        reloads.append((step, *idxs))
+        engine._load(step, idxs)
 
     monkeypatch.setattr(engine, "_graph_step", replay)
     engine.budget.flag.fill_(7 + 1)  # step 7 overflowed: steps 7-9 are redone

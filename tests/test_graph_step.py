@@ -111,9 +111,9 @@ def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[lis
     graphs = GraphEngine(trainer.ctx)
     kinds = []
 
-    def graph_step(step: int, idx: int):
+    def graph_step(step: int, idxs: tuple[int, ...]):
         kinds[-1] = "graph"
-        return graphs._eager(step, idx)
+        return graphs._eager(step, idxs)
 
     monkeypatch.setattr(graphs, "_graph_step", graph_step)
     trainer.graphs = graphs
@@ -179,6 +179,7 @@ class _FakeContext:
         self.views = TrainViews([torch.zeros(4, 4, 3, dtype=torch.uint8)], [], [None])
         self.watched = False
         self.corrections: list = []  # per-view corrections (StepContext.corrections): none here
+        self.batch_size = 1
 
     def sh_degree(self, step: int) -> int:
         return 0
@@ -194,19 +195,19 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
     graphs = GraphEngine(t)
     runs = []
 
-    def graph_step(step: int, idx: int):  # the host's share of a replay: counts, decay, bookkeeping
+    def graph_step(step: int, idxs: tuple[int, ...]):  # the host's share of a replay: counts, decay, bookkeeping
         fused_adam.advance(t.optimizers)
         t.scheduler.step()
-        graphs.unsettled.append((step, idx))
+        graphs.unsettled.append((step, idxs))
         runs.append(step)
 
     monkeypatch.setattr(graphs, "_graph_step", graph_step)
     for step in range(1, 9):
-        graphs._graph_step(step, 0)
+        graphs._graph_step(step, (0,))
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8
     size = tuple(t.views.images[0].shape)
-    graphs.capacities[size] = 1 << 16
-    graphs.group_stats[size] = torch.tensor([0, 0, 3_000_000])  # the overflowed view's pairs, as the kernel keeps them
+    graphs.groups.capacities[size] = 1 << 16
+    graphs.groups.stats[size] = torch.tensor([0, 0, 3_000_000])  # the overflowed view's pairs, as the kernel keeps them
     graphs.budget.flag.fill_(5 + 1)  # step 5's tag: it overflowed, and (the flag is sticky) 6-8 were skipped
     assert graphs.settle() is None  # the fake replays return nothing
     # 5-8 again, in order (each step's number passed on: what it reads, the SH degree, follows it)
@@ -214,7 +215,7 @@ def test_settle_redoes_the_steps_from_the_first_overflow(monkeypatch):
     assert t.adam_steps() == [9.0, 9.0] and t.scheduler.steps_done == 8  # rewound by 4, advanced by 4
     assert graphs.views == 8 and graphs.redos == 1 and graphs.redone_steps == 4 and not graphs.unsettled
     assert int(graphs.budget.flag) == 0
-    assert graphs.capacities[size] >= 3_000_000 and graphs.group_peak[size] == 3_000_000
+    assert graphs.groups.capacities[size] >= 3_000_000 and graphs.groups.peak[size] == 3_000_000
     graphs.budget.flag.zero_()
     assert graphs.settle() is None and runs[-1] == 8 and len(runs) == 12  # nothing in flight: no redo
 
@@ -226,26 +227,27 @@ def test_each_image_size_gets_a_capacity_from_its_own_views():
     from gstrain.train.graph_step import GraphEngine
 
     graphs = GraphEngine(_FakeContext())
+    groups = graphs.groups
     small, large, unseen = (700, 1200, 3), (720, 1280, 3), (710, 1250, 3)
-    graphs.group_peak[small] = 200_000  # from eager steps
-    graphs.group_stats[large] = torch.tensor([0, 0, 3_000_000])  # from replays, on the device
+    groups.peak[small] = 200_000  # from eager steps
+    groups.stats[large] = torch.tensor([0, 0, 3_000_000])  # from replays, on the device
     graphs._new_epoch(("key",))
-    assert graphs.group_peak[large] == 3_000_000
-    cap_small, cap_large = graphs._capacity(small), graphs._capacity(large)
+    assert groups.peak[large] == 3_000_000
+    cap_small, cap_large = groups.capacity(small), groups.capacity(large)
     assert 200_000 < cap_small < 1_000_000 and cap_large > 3_000_000
-    assert graphs._capacity(unseen) >= 3_000_000  # no count yet: the largest known
-    graphs.group_stats[small] = torch.tensor([0, 0, 150_000])  # fewer pairs now: the capacity stays
+    assert groups.capacity(unseen) >= 3_000_000  # no count yet: the largest known
+    groups.stats[small] = torch.tensor([0, 0, 150_000])  # fewer pairs now: the capacity stays
     graphs._new_epoch(("key2",))
-    assert graphs._capacity(small) == cap_small
-    graphs.group_stats[small] = torch.tensor([0, 0, cap_small])  # grown past the headroom: regrown
+    assert groups.capacity(small) == cap_small
+    groups.stats[small] = torch.tensor([0, 0, cap_small])  # grown past the headroom: regrown
     graphs._new_epoch(("key3",))
-    assert graphs._capacity(small) > cap_small
+    assert groups.capacity(small) > cap_small
     summary = graphs.summary()["pair_capacity"]
-    assert summary["groups"] == 3 and summary["max"] == max(graphs.capacities.values())
+    assert summary["groups"] == 3 and summary["max"] == max(groups.capacities.values())
 
 
 def test_capacity_classes_hold_the_count_within_one_and_a_half_times():
-    from gstrain.train.graph_step import CAPACITY_ROUND, capacity_class
+    from gstrain.train.graph_capacity import CAPACITY_ROUND, capacity_class
 
     last = 0
     for n in [1, CAPACITY_ROUND, CAPACITY_ROUND + 1, 700_001, 1_048_576, 1_048_577, 3_000_000, 4_700_000]:
@@ -268,26 +270,27 @@ def test_views_of_several_sizes_share_a_canvas_and_graphs_by_capacity_class():
     t.cfg = build_config(overrides=[{"dev": {"fused_ssim": True}}])
     t.views.images = [torch.zeros(h, w, 3, dtype=torch.uint8) for h, w in ((60, 80), (64, 70), (50, 90), (60, 80))]
     graphs = GraphEngine(t)
+    groups = graphs.groups
     assert graphs.canvas == (64, 90, 3)
-    assert graphs.view_stats.shape == (4, 3) and graphs._group(2) == 2
-    graphs.group_peak[0] = 500_000  # an eager step's count
-    graphs.view_stats[1] = torch.tensor([0, 0, 520_000])  # replays' rows
-    graphs.view_stats[2] = torch.tensor([0, 0, 2_000_000])
+    assert groups.view_stats.shape == (4, 3) and groups.group(2) == 2
+    groups.peak[0] = 500_000  # an eager step's count
+    groups.view_stats[1] = torch.tensor([0, 0, 520_000])  # replays' rows
+    groups.view_stats[2] = torch.tensor([0, 0, 2_000_000])
     graphs._new_epoch(("key",))
-    assert graphs.group_peak == {0: 500_000, 1: 520_000, 2: 2_000_000}  # view 3: no count yet
-    caps = [graphs._capacity(i) for i in range(4)]
+    assert groups.peak == {0: 500_000, 1: 520_000, 2: 2_000_000}  # view 3: no count yet
+    caps = [groups.capacity(i) for i in range(4)]
     assert caps[0] == caps[1] >= 1.5 * 520_000  # one class: one graph for both views
     assert caps[2] >= 3_000_000 and caps[3] == caps[2]  # no count: the largest known
-    assert graphs._graph_key(0) == graphs._graph_key(1) != graphs._graph_key(2)
+    assert groups.graph_key((0,)) == groups.graph_key((1,)) != groups.graph_key((2,))
     # view 1 overflowed at step 5 with 1.2M pairs: its class grows, view 0's does not
     monkey_runs = []
-    graphs._graph_step = lambda step, idx: monkey_runs.append((step, idx))  # type: ignore[method-assign]
-    graphs.unsettled = [(4, 0), (5, 1), (6, 0)]
-    graphs.view_stats[1, 2] = 1_200_000
+    graphs._graph_step = lambda step, idxs: monkey_runs.append((step, idxs))  # type: ignore[method-assign]
+    graphs.unsettled = [(4, (0,)), (5, (1,)), (6, (0,))]
+    groups.view_stats[1, 2] = 1_200_000
     graphs.budget.flag.fill_(6)
     graphs.settle()
-    assert monkey_runs == [(5, 1), (6, 0)]
-    assert graphs._capacity(1) >= 1.5 * 1_200_000 and graphs._capacity(0) == caps[0]
+    assert monkey_runs == [(5, (1,)), (6, (0,))]
+    assert groups.capacity(1) >= 1.5 * 1_200_000 and groups.capacity(0) == caps[0]
     assert graphs.summary()["canvas"] == [64, 90]
 
 

@@ -119,18 +119,22 @@ class Renderer:
         sh_degree: int,
         background: torch.Tensor | None = None,
         timer: Any = None,
+        options: RasterOptions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """Render one view. A PhaseTimer, when given, gets the projection / raster_fwd / raster_bwd split."""
+        """Render one view. A PhaseTimer, when given, gets the projection / raster_fwd / raster_bwd
+        split. `options`: this render's, instead of the renderer's own (a CUDA-graph step's view
+        with its own pair budget and valid size: train/step.StepView)."""
+        options = self.options if options is None else options
         params = self.filtered(params)
         if self.backend in CUDA_BACKENDS:
             from gstrain.render.cuda import render_cuda
 
-            return render_cuda(params, viewmat, K, width, height, sh_degree, background, self.options, timer=timer)
+            return render_cuda(params, viewmat, K, width, height, sh_degree, background, options, timer=timer)
         from gstrain.render.reference import render_reference
 
         return render_reference(
             params, viewmat, K, width, height, sh_degree, background, absgrad=self.absgrad, timer=timer,
-            antialiased=self.options.antialiased,
+            antialiased=options.antialiased,
         )
 
     def render_depth(

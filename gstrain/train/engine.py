@@ -9,7 +9,8 @@ into the loop: a step returns a StepResult, and the loop decides what to read, l
 The engines (ENGINES names the module of each; a new engine is a module and a line there):
   eager    one view a step, every kernel launched from Python (train/step.py)
   batch    train.batch_size views a step, one backward and one optimizer step (train/step.py)
-  graph    one view a step, replayed as a CUDA graph where it may (train/graph_step.py)
+  graph    train.batch_size views a step (the eager or batch step's function), replayed as a
+           CUDA graph where it may (train/graph_step.py)
   sharded  each rank renders its share of the batch from records every owner sends
            (gstrain/distributed/sharded_step.py); only under torchrun with more than one rank
 """
@@ -90,9 +91,9 @@ class EagerEngine(UncapturedEngine):
 
 def choose_engine(ctx: StepContext) -> str:
     """The engine this set-up runs: sharded across several ranks, the CUDA-graph engine where
-    dev.cuda_graphs applies (graph_step.graphs_possible), else eager (batch for B > 1). One
-    rank under torchrun owns every Gaussian: the sharded step would be the plain step with an
-    exchange to itself, so it runs the plain engines."""
+    dev.cuda_graphs applies (graph_step.graphs_possible; any batch size), else eager (batch for
+    B > 1). One rank under torchrun owns every Gaussian: the sharded step would be the plain step
+    with an exchange to itself, so it runs the plain engines."""
     if ctx.shard is not None and ctx.shard.world > 1:
         return "sharded"
     if graphs_possible(ctx.cfg, ctx.renderer, ctx.runner, ctx.device):  # (none with a non-graph-safe correction)

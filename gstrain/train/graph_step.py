@@ -1,43 +1,49 @@
-"""dev.cuda_graphs: single-view training steps replayed as one CUDA graph each.
+"""dev.cuda_graphs: training steps replayed as one CUDA graph each.
 
 Why: near 3 ms a step on an H200 the step is bound by the host issuing ~60 kernels through
 Python (bench/trace_step.py), not by the GPU. A captured graph replays the whole step
 (projection, intersection, both raster passes, loss, backward, Adam, statistics) in one launch.
+A step trains on B = train.batch_size views (one, or a batch: each view's render and loss, their
+mean, one backward, one Adam step, statistics with n_cameras=B, as train/step.py's batch step).
 
 What a graph freezes, and how each is handled:
 - shapes and addresses: the intersection is sync-free into fixed-capacity buffers
   (render/isect.PairBudget); parameters, Adam moments and statistics keep their storage between
   densifications. An epoch lasts while those addresses, the SH degree and ARC's threshold stay
   the same, and its graphs are dropped when it ends. The image size: gsplat's projection bakes it
-  in, so with one graph per size a scene whose views differ in size (beer: 35 sizes for 62 views)
-  captures one graph per size per epoch, and captures bound the run while it refines. With the
-  fused loss the step runs instead on a canvas of the largest size, the view in its top-left
-  corner and its size on the device (render/sized_projection.py, the intersection and the loss
-  read it), so one graph serves every size. Pair capacity: the sort covers a graph's whole
-  capacity, so each view (per-size graphs: each size) has its own, from the most pairs it has had,
-  and on the canvas views share a graph per capacity class (capacity_class);
+  in, so with one graph per size (a batch: per tuple of its views' sizes) a scene whose views
+  differ in size (beer: 35 sizes for 62 views) captures one graph per size per epoch, and
+  captures bound the run while it refines. With the fused loss the step runs instead on a canvas
+  of the largest size, each view in the top-left corner of its batch slot and its size on the
+  device (render/sized_projection.py, the intersection and the loss read it), so one graph serves
+  every size. Pair capacity: the sort covers a graph's whole capacity, so each group of views has
+  its own, from the most pairs it has had, and on the canvas views share a graph per capacity
+  class (train/graph_capacity.py);
 - per-step values: Adam's step sizes and bias corrections come from a device tensor refilled
-  before each replay (fused_adam.advance); the view's camera, image (and on the canvas its size
-  and statistics row) are copied into the graph's inputs. A graph-safe per-view correction
-  (train/corrections.py; train.appearance) reads the view's index from the device (StepView.slot)
-  and refills its own Adam scalars (corrections.advance); one that is not (train.pose_refine)
-  keeps the run off graphs (graphs_possible);
+  before each replay (fused_adam.advance); each slot's camera, image and device ints (width,
+  height, view index: on the canvas its size and statistics row) are copied into the graph's
+  inputs, and each slot's view carries its own pair budget and valid size to the renderer. A
+  graph-safe per-view correction (train/corrections.py; train.appearance) reads the view's index
+  from the device (StepView.slot) and refills its own Adam scalars (corrections.advance); one
+  that is not (train.pose_refine) keeps the run off graphs (graphs_possible);
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
-  (dev.time_every), ARC's tuning calls, masked views, the first step, and a graph key's first
-  CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an eager step does,
-  bench/graph_study.py). Batches (train.batch_size > 1) never use graphs.
+  (dev.time_every), ARC's tuning calls, masked views (any of a batch's), the first step, and a
+  graph key's first CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an
+  eager step does, bench/graph_study.py).
 Exactness: a view whose pairs overflow the capacity sets the budget's sticky flag, and Adam and
 the statistics are no-ops while it is set. Before the host reads anything (settle()), it checks
-the flag and redoes the steps from the first overflowed one, its group's capacity grown to fit. A
-graph step computes the eager step's function (tests/test_graph_cuda.py checks it on a GPU,
-tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU); a canvas step equals
-the step at the view's own size within float tolerance (tests/test_sized_projection_cuda.py).
+the flag and redoes the steps from the first overflowed one, the overflowed groups' capacities
+grown to fit. A graph step computes the eager step's function (tests/test_graph_cuda.py checks
+it on a GPU, tests/test_graph_step.py the policy and the redo's bookkeeping on the CPU); a
+canvas step equals the step at the view's own size within float tolerance
+(tests/test_sized_projection_cuda.py).
 """
 
 from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,96 +53,66 @@ from torch import Tensor
 from gstrain.render.isect import PairBudget
 from gstrain.train import corrections, fused_adam
 from gstrain.train.context import StepContext
+from gstrain.train.graph_capacity import PairGroups, canvas_of
 from gstrain.train.step import StepResult, StepView
 
-CAPACITY_MARGIN = 1.5  # pair buffers hold this many times the most pairs an eager step has seen
-CAPACITY_HEADROOM = 1.1  # ... and grow once that many times the most pairs would not fit
-CAPACITY_ROUND = 1 << 16
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
 CAPTURE_AFTER = 0  # eager steps of a graph's key in an epoch before it is captured
 
 
-def _round_up(n: int) -> int:
-    return max(CAPACITY_ROUND, -(-int(n) // CAPACITY_ROUND) * CAPACITY_ROUND)
-
-
-def capacity_class(n: int) -> int:
-    """The canvas graphs' capacities: the smallest of 2^k and 1.5 * 2^k that holds n (at least
-    CAPACITY_ROUND). A view sorts at most 1.5x the pairs its own capacity would, and an epoch
-    captures a graph per class its views fall in (a handful) instead of one per image size."""
-    n = max(int(n), CAPACITY_ROUND)
-    power = 1 << (n - 1).bit_length()
-    return power * 3 // 4 if power * 3 // 4 >= n else power
-
-
-def canvas_of(image_shapes: list[tuple[int, ...]], fused_loss: bool) -> tuple[int, ...] | None:
-    """The canvas shape (the largest height, width) when the steps run on one: views of several
-    sizes and the fused loss (the only one that takes a valid size); else None (a graph per size)."""
-    shapes = set(image_shapes)
-    if len(shapes) < 2 or not fused_loss:
-        return None
-    return (max(s[0] for s in shapes), max(s[1] for s in shapes), *next(iter(shapes))[2:])
-
-
 @dataclass
 class _Graph:
-    """One captured step (an image size's, or a capacity class's on the canvas): the graph and its
-    static outputs."""
+    """One captured step (an image size's or a batch's sizes', or a capacity class's on the
+    canvas): the graph and its static outputs."""
 
     graph: torch.cuda.CUDAGraph
     outputs: StepResult
-    capacity: int  # the pair capacity it was captured with
+    capacities: tuple[int, ...]  # each batch slot's pair capacity it was captured with
 
 
 class GraphEngine:
-    """The graph step engine (train/engine.py): single-view steps on a StepContext, replaying a
-    captured graph where it may (see the module docstring).
+    """The graph step engine (train/engine.py): steps of train.batch_size views on a StepContext,
+    replaying a captured graph where it may (see the module docstring).
 
-    A graph is per image size, or on the canvas per capacity class (see the module docstring);
-    the graphs of one epoch (the stretch between two changes of _epoch_key) share one memory
-    pool, which is safe because every replay's outputs are read before the next. A graph's key
-    is captured once it has come up CAPTURE_AFTER times in the epoch. Pair statistics and
-    capacities are kept per group: an image size, or on the canvas a view (its index)."""
+    A graph is per image size (a batch: per tuple of sizes), or on the canvas per capacity class
+    (see the module docstring); the graphs of one epoch (the stretch between two changes of
+    _epoch_key) share one memory pool, which is safe because every replay's outputs are read
+    before the next. A graph's key is captured once it has come up CAPTURE_AFTER times in the
+    epoch. Pair statistics and capacities are kept per group (graph_capacity.PairGroups)."""
 
     name = "graph"
 
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
         self.device = ctx.device
+        self.batch = max(1, int(ctx.batch_size))  # views a step: the graph's slots
         n_scalars = 2 * len(ctx.optimizers) + 1  # Adam's pairs, then the step's tag
         self.scalars = torch.zeros(n_scalars, device=self.device)
-        self.budget = PairBudget.on(self.device, CAPACITY_ROUND, tag=self.scalars[-1:])  # the shared tag and flag
+        # the tag and flag every slot's budget shares (its capacity unused: each slot has its own)
+        self.budget = PairBudget.on(self.device, 0, tag=self.scalars[-1:])
         self.shapes = ctx.views.shapes()  # read once: a store's shapes come without fetching
         self.canvas = canvas_of(self.shapes, bool(ctx.cfg.dev.fused_ssim))
-        # per group (an image size; on the canvas a view): pair statistics on the device
-        # (PairBudget.pair_sum; on the canvas rows of one [views, 3] tensor, the row chosen on the
-        # device), the most pairs it has had as the host knows it, and its pair capacity
-        self.group_stats: dict[Any, Tensor] = {}
-        self.group_peak: dict[Any, int] = {}
-        self.capacities: dict[Any, int] = {}
-        self.view_stats: Tensor | None = None
+        self.groups = PairGroups(self.shapes, self.canvas, self.device)
         on_gpu = self.device.type == "cuda"  # (the policy and the bookkeeping also run on the CPU, in tests)
-        if self.canvas is not None:
-            self.view_stats = torch.zeros((len(self.shapes), 3), dtype=torch.int64, device=self.device)
-            self.group_stats = dict(enumerate(self.view_stats))
-        # on the canvas: the view's width, height and index, refilled before each replay
-        self.view_ints = torch.zeros(3, dtype=torch.int32, device=self.device)
-        self.pinned_ints = torch.zeros((INFLIGHT, 3), dtype=torch.int32, pin_memory=on_gpu)
+        # per batch slot: its view's width, height and index, refilled before each replay (on the
+        # canvas the first two are the valid size, the index picks the statistics row)
+        self.view_ints = torch.zeros((self.batch, 3), dtype=torch.int32, device=self.device)
+        self.pinned_ints = torch.zeros((INFLIGHT, self.batch, 3), dtype=torch.int32, pin_memory=on_gpu)
         self.pinned = torch.zeros((INFLIGHT, n_scalars), pin_memory=on_gpu)
         self.slot_done: list[torch.cuda.Event | None] = [None] * INFLIGHT
         self.slot = 0
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.epoch: tuple | None = None
-        self.graphs: dict[Any, _Graph] = {}  # this epoch's, by image shape (on the canvas: capacity)
+        self.graphs: dict[Any, _Graph] = {}  # this epoch's, by graph key (PairGroups.graph_key)
         self.seen: dict[Any, int] = {}  # graph-safe steps per graph key in this epoch
         self.pool: Any = None
-        self.inputs: dict[tuple, dict[str, Tensor]] = {}  # per image shape (or the canvas's): the graph's inputs
-        self.image_buffer: Tensor | None = None
-        self.camera: dict[str, Tensor] = {}
-        self.unsettled: list[tuple[int, int]] = []  # (step, view) replayed since the last settle
+        self.inputs: dict[tuple, list[dict[str, Tensor]]] = {}  # per the slots' shapes: each slot's inputs
+        self.image_buffer: Tensor | None = None  # every slot's image inputs: views of one buffer
+        self.cameras: list[dict[str, Tensor]] = []  # per slot
+        self.unsettled: list[tuple[int, tuple[int, ...]]] = []  # (step, its views) replayed since the last settle
         self.warm = False  # an eager step has run (lazily made state exists)
-        self.views = 0  # settled graph steps: the views pair_sum counts
+        self.views = 0  # views of settled graph steps: the views pair_sum counts
         self.captures = 0
         self.redos = 0
         self.redone_steps = 0  # replays repeated by redos (the cost of an overflow)
@@ -144,22 +120,22 @@ class GraphEngine:
 
     # ----------------------------------------------------------------- engine
     def step(self, step: int) -> StepResult:
-        return self.run(step, self.ctx.views.draw(self.ctx.sampler)[0])
+        return self.run(step, self.ctx.views.draw(self.ctx.sampler, self.batch))
 
     def state_replaced(self) -> None:
         self.warm = False  # new tensors: the next step runs eagerly, then captures
 
     # ----------------------------------------------------------------- policy
-    def eager_reason(self, step: int, idx: int) -> str | None:
-        """Why `step` (on view idx) must run eagerly; None when a graph may run it."""
+    def eager_reason(self, step: int, idxs: Sequence[int]) -> str | None:
+        """Why `step` (on views idxs) must run eagerly; None when a graph may run it."""
         t = self.ctx
         tuner = t.renderer.tuner
         if tuner is not None and tuner.tuning:
             tuner.poll()  # finish a round whose timings are in (never blocks)
         reasons = (
             ("first", not self.warm), ("timed", t.timer.enabled), ("viewer", t.watched),
-            ("mask", t.views.masks[idx] is not None), ("arc_tuning", tuner is not None and tuner.tuning),
-            ("strategy", not t.strategy.graph_safe_at(step)),
+            ("mask", any(t.views.masks[i] is not None for i in idxs)),
+            ("arc_tuning", tuner is not None and tuner.tuning), ("strategy", not t.strategy.graph_safe_at(step)),
         )  # fmt: skip
         return next((name for name, applies in reasons if applies), None)
 
@@ -176,105 +152,83 @@ class GraphEngine:
         if self.graphs and self.stream is not None:
             torch.cuda.current_stream().synchronize()  # no replay of a dropped graph is still running
         self.graphs, self.pool, self.epoch, self.seen = {}, None, key, {}
-        if self.group_stats:  # the replays' largest views: capacities follow the growing model
-            groups = list(self.group_stats)
-            most = torch.stack([self.group_stats[g][2] for g in groups]).tolist()
-            for group, m in zip(groups, most, strict=True):
-                if m > 0:  # (a canvas view not replayed yet has no count)
-                    self.group_peak[group] = max(self.group_peak.get(group, 0), int(m))
+        self.groups.refresh_peaks()  # the replays' largest views: capacities follow the growing model
 
-    def _group(self, idx: int) -> Any:
-        """The key pair statistics and capacities are kept under: view idx's image size, or on the
-        canvas the view itself."""
-        return idx if self.canvas is not None else self.shapes[idx]
-
-    def _fit(self, pairs: float) -> int:
-        """A capacity for `pairs`: rounded up, on the canvas to its capacity class."""
-        return capacity_class(_round_up(pairs)) if self.canvas is not None else _round_up(pairs)
-
-    def _capacity(self, group: Any) -> int:
-        """The pair capacity for `group`: CAPACITY_MARGIN times its most pairs, regrown once that
-        many times CAPACITY_HEADROOM no longer fits (a group never seen takes the largest)."""
-        peak = self.group_peak.get(group)
-        if peak is None:  # only until the group has a count of its own
-            peak = max(self.group_peak.values(), default=0)
-        capacity = self.capacities.get(group, 0)
-        if capacity == 0 or peak * CAPACITY_HEADROOM > capacity:
-            capacity = self.capacities[group] = max(capacity, self._fit(peak * CAPACITY_MARGIN))
-        return capacity
-
-    def _graph_key(self, group: Any) -> Any:
-        """Which of the epoch's graphs runs the group's views: its size's, or its capacity's."""
-        return self._capacity(group) if self.canvas is not None else group
+    def _groups_of(self, idxs: Sequence[int]) -> tuple[Any, ...]:
+        return tuple(self.groups.group(i) for i in idxs)
 
     # ----------------------------------------------------------------- steps
-    def run(self, step: int, idx: int) -> StepResult:
-        """Step `step` on training view idx: a graph replay, a capture, or an eager step."""
-        reason = self.eager_reason(step, idx)
-        group = self._group(idx)
+    def run(self, step: int, idxs: Sequence[int]) -> StepResult:
+        """Step `step` on training views idxs (one per batch slot): a graph replay, a capture, or
+        an eager step."""
+        idxs = tuple(idxs)
+        reason = self.eager_reason(step, idxs)
+        groups = self._groups_of(idxs)
         if reason is None:
             key = self._epoch_key(step)
             if key != self.epoch:
                 self.settle()  # a redo runs with the graphs its steps were captured for
                 self._new_epoch(key)
-            graph_key = self._graph_key(group)
+            graph_key = self.groups.graph_key(groups)
             self.seen[graph_key] = self.seen.get(graph_key, 0) + 1
             if graph_key in self.graphs or self.seen[graph_key] > CAPTURE_AFTER:
-                return self._graph_step(step, idx)
+                return self._graph_step(step, idxs)
             reason = "size_not_captured"
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
         self.settle()  # an eager step may read what earlier replays wrote (densification)
         if self.warm or self.stream is None:
-            result = self._eager(step, idx)
+            result = self._eager(step, idxs)
         else:
             # lazily made state (cuBLAS workspaces, Adam moments) made on the capture stream
             current = torch.cuda.current_stream()
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):
-                result = self._eager(step, idx)
+                result = self._eager(step, idxs)
             current.wait_stream(self.stream)
         self.warm = True
-        if result.pairs is not None:
-            self.group_peak[group] = max(self.group_peak.get(group, 0), result.pairs[1])
+        if result.view_pairs is not None:
+            for group, pairs in zip(groups, result.view_pairs, strict=True):
+                self.groups.saw(group, pairs)
         return result
 
-    def _eager(self, step: int, idx: int) -> StepResult:
+    def _eager(self, step: int, idxs: Sequence[int]) -> StepResult:
         t = self.ctx
-        return t.runner.run(t.params, t.optimizers, step, [t.views.step_view(idx)], t.sh_degree(step), t.background,
+        views = [t.views.step_view(i) for i in idxs]
+        return t.runner.run(t.params, t.optimizers, step, views, t.sh_degree(step), t.background,
                             scheduler=t.scheduler)  # fmt: skip
 
-    def _graph_step(self, step: int, idx: int) -> StepResult:
-        group = self._group(idx)
-        inputs = self._load(step, idx)
-        capacity = self._capacity(group)
-        graph_key = self._graph_key(group)
+    def _graph_step(self, step: int, idxs: tuple[int, ...]) -> StepResult:
+        groups = self._groups_of(idxs)
+        inputs = self._load(step, idxs)
+        capacities = self.groups.slot_capacities(groups)
+        graph_key = self.groups.graph_key(groups)
         entry = self.graphs.get(graph_key)
-        if entry is None or entry.capacity != capacity:
-            entry = self.graphs[graph_key] = self._capture(step, inputs, self._budget(group, capacity))
+        if entry is None or entry.capacities != capacities:
+            budgets = [self._budget(b, g, c) for b, (g, c) in enumerate(zip(groups, capacities, strict=True))]
+            entry = self.graphs[graph_key] = self._capture(step, inputs, budgets)
         entry.graph.replay()
         self._release_slot()
-        self.unsettled.append((step, idx))
+        self.unsettled.append((step, idxs))
         if len(self.unsettled) >= MAX_UNSETTLED:
             self.settle()
         # the target by index: the graph's image input holds a later view by the time it is read
         if self.canvas is None:
-            return replace(entry.outputs, target=idx)
-        height, width = self.shapes[idx][:2]  # the view's part of the canvas
-        return replace(entry.outputs, image=entry.outputs.image[:height, :width], target=idx)
+            return replace(entry.outputs, target=idxs[0])
+        height, width = self.shapes[idxs[0]][:2]  # the first view's part of its canvas slot
+        return replace(entry.outputs, image=entry.outputs.image[:height, :width], target=idxs[0])
 
-    def _budget(self, group: Any, capacity: int) -> PairBudget:
-        """A graph's pair budget: the shared tag and flag, and its group's statistics (on the
-        canvas every view's rows, the row picked by the view's index on the device)."""
-        if self.view_stats is not None:
-            return PairBudget(capacity, self.budget.tag, self.budget.flag, self.view_stats, slot=self.view_ints[2:])
-        stats = self.group_stats.get(group)
-        if stats is None:
-            stats = self.group_stats[group] = torch.zeros(3, dtype=torch.int64, device=self.device)
-        return PairBudget(capacity, self.budget.tag, self.budget.flag, stats)
+    def _budget(self, b: int, group: Any, capacity: int) -> PairBudget:
+        """Batch slot b's pair budget: the shared tag and flag, and its group's statistics
+        (on the canvas every view's rows, the row picked on the device by the slot's view index)."""
+        if self.groups.view_stats is not None:
+            return PairBudget(capacity, self.budget.tag, self.budget.flag, self.groups.view_stats,
+                              slot=self.view_ints[b, 2:])  # fmt: skip
+        return PairBudget(capacity, self.budget.tag, self.budget.flag, self.groups.stats_of(group))
 
-    def _load(self, step: int, idx: int) -> dict[str, Tensor]:
+    def _load(self, step: int, idxs: tuple[int, ...]) -> list[dict[str, Tensor]]:
         """This step's values into the graph's inputs: Adam's scalars (counted on the host here,
-        as an eager step counts them), the tag, the camera and the image; then the rate decay."""
+        as an eager step counts them), the tag, then per slot the camera, the image and the ints;
+        then the rate decay."""
         t = self.ctx
         done = self.slot_done[self.slot]
         if done is not None:
@@ -285,31 +239,37 @@ class GraphEngine:
         self.scalars.copy_(host, non_blocking=True)
         corrections.advance(t.corrections, step)
         t.scheduler.step()
-        viewmat, K = t.views.cams[idx]
-        image = t.views.images[idx]
-        if self.image_buffer is None:  # every size's image input is a view of one buffer
+        images = [t.views.images[i] for i in idxs]
+        if self.image_buffer is None:
             largest = max(math.prod(s) for s in self.shapes) if self.canvas is None else math.prod(self.canvas)
-            self.image_buffer = torch.zeros(largest, dtype=image.dtype, device=image.device)
-            self.camera = {"viewmat": viewmat.clone(), "K": K.clone()}
-        shape = self.canvas if self.canvas is not None else tuple(image.shape)
-        inputs = self.inputs.get(shape)
+            self.image_buffer = torch.zeros(self.batch * largest, dtype=images[0].dtype, device=images[0].device)
+            viewmat, K = t.views.cams[idxs[0]]
+            self.cameras = [{"viewmat": viewmat.clone(), "K": K.clone()} for _ in range(self.batch)]
+        shapes = tuple(self.canvas if self.canvas is not None else tuple(image.shape) for image in images)
+        inputs = self.inputs.get(shapes)
         if inputs is None:
-            view = self.image_buffer[: math.prod(shape)].view(shape)
-            inputs = self.inputs[shape] = {**self.camera, "image": view}
-            if self.canvas is not None:
-                inputs["valid"] = self.view_ints[:2]
-        self.camera["viewmat"].copy_(viewmat)
-        self.camera["K"].copy_(K)
+            inputs = self.inputs[shapes] = [self._slot_inputs(b, shape) for b, shape in enumerate(shapes)]
+        rows = []
+        for b, (idx, image) in enumerate(zip(idxs, images, strict=True)):
+            viewmat, K = t.views.cams[idx]
+            self.cameras[b]["viewmat"].copy_(viewmat)
+            self.cameras[b]["K"].copy_(K)
+            height, width = image.shape[:2]  # on the canvas the view in the top-left corner, the rest outside its size
+            inputs[b]["image"][:height, :width].copy_(image)
+            rows.append((width, height, idx))
         ints = self.pinned_ints[self.slot]
-        if self.canvas is not None:  # the view in the top-left corner; the rest is outside its size
-            height, width = image.shape[:2]
-            inputs["image"][:height, :width].copy_(image)
-            ints[0], ints[1] = width, height
-        else:
-            inputs["image"].copy_(image)
-        if self.canvas is not None or t.corrections:  # the view's index: its statistics row, its corrections' row
-            ints[2] = idx
-            self.view_ints.copy_(ints, non_blocking=True)
+        ints.copy_(torch.tensor(rows, dtype=torch.int32))
+        self.view_ints.copy_(ints, non_blocking=True)
+        return inputs
+
+    def _slot_inputs(self, b: int, shape: tuple[int, ...]) -> dict[str, Tensor]:
+        """Batch slot b's graph inputs for an image of `shape`: its camera, its part of the
+        image buffer, and on the canvas its valid size."""
+        assert self.image_buffer is not None
+        start = b * (self.image_buffer.numel() // self.batch)
+        inputs = {**self.cameras[b], "image": self.image_buffer[start : start + math.prod(shape)].view(shape)}
+        if self.canvas is not None:
+            inputs["valid"] = self.view_ints[b, :2]
         return inputs
 
     def _release_slot(self) -> None:
@@ -318,16 +278,14 @@ class GraphEngine:
         self.slot_done[self.slot] = event
         self.slot = (self.slot + 1) % INFLIGHT
 
-    def _capture(self, step: int, inputs: dict[str, Tensor], budget: PairBudget) -> _Graph:
+    def _capture(self, step: int, inputs: list[dict[str, Tensor]], budgets: list[PairBudget]) -> _Graph:
         t = self.ctx
         timed, t.timer.enabled = t.timer.enabled, False  # (a redo can capture during a timed step)
         for p in t.params.values():
             p.grad = None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        renderer, runner = t.renderer, t.runner
-        options = renderer.options
-        renderer.options = replace(options, pair_budget=budget, valid_size=inputs.get("valid"))
+        runner = t.runner
         runner.graph_adam = (self.scalars, self.budget.flag)
         t.strategy.set_skip_flag(self.budget.flag)
         corrections.set_skip_flag(t.corrections, self.budget.flag)
@@ -342,82 +300,74 @@ class GraphEngine:
                 # not invalidate this capture, as the default "global" mode lets it
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    gt = inputs["image"].float() / 255.0
-                    view = StepView(inputs["viewmat"], inputs["K"], gt, None, inputs.get("valid"),
-                                    slot=self.view_ints[2:])  # fmt: skip
-                    result = runner.run(t.params, t.optimizers, step, [view], t.sh_degree(step), t.background,
+                    # each slot's view carries its own pair budget and valid size to the renderer
+                    views = [StepView(i["viewmat"], i["K"], i["image"].float() / 255.0, None, i.get("valid"),
+                                      budget=budget, slot=self.view_ints[b, 2:])
+                             for b, (i, budget) in enumerate(zip(inputs, budgets, strict=True))]  # fmt: skip
+                    result = runner.run(t.params, t.optimizers, step, views, t.sh_degree(step), t.background,
                                         scheduler=None)  # fmt: skip
                 finally:
                     graph.capture_end()
         finally:
             if collecting:
                 gc.enable()
-            renderer.options = options
             runner.graph_adam = None
             t.strategy.set_skip_flag(None)
             corrections.set_skip_flag(t.corrections, None)
             t.timer.enabled = timed
         current.wait_stream(self.stream)
         self.captures += 1
-        return _Graph(graph, StepResult(result.loss, result.terms, result.image, False, None), budget.capacity)
+        outputs = StepResult(result.loss, result.terms, result.image, False, None)
+        return _Graph(graph, outputs, tuple(b.capacity for b in budgets))
 
     # ----------------------------------------------------------------- exactness
     def settle(self) -> StepResult | None:
         """Wait for the replays so far; if a view overflowed its pair budget, redo the steps from
-        that one on with a larger budget. Returns the last redone step's result (None: no redo)."""
+        that one's on with larger budgets. Returns the last redone step's result (None: no redo)."""
         if not self.unsettled:
             return None
         first = int(self.budget.flag.item()) - 1  # the one host sync: the flag, a step's tag or 0
+        replayed = sum(len(idxs) for _, idxs in self.unsettled)
         if first < 0:
-            self.views += len(self.unsettled)
+            self.views += replayed
             self.unsettled.clear()
             return None
         t = self.ctx
-        redo = [(s, i) for s, i in self.unsettled if s >= first]
-        self.views += len(self.unsettled) - len(redo)
+        redo = [(s, idxs) for s, idxs in self.unsettled if s >= first]
+        self.views += replayed - sum(len(idxs) for _, idxs in redo)
         self.unsettled.clear()
-        fused_adam.rewind(t.optimizers, len(redo))
+        fused_adam.rewind(t.optimizers, len(redo))  # Adam and the decay count steps, not views
         corrections.rewind(t.corrections, [s for s, _ in redo])
         t.scheduler.rewind(len(redo))
         self.budget.flag.zero_()
-        # the overflowed view's group: its most pairs (the overflowed view included) set its new capacity
-        group = self._group(redo[0][1])
-        most = int(self.group_stats[group][2])
-        self.group_peak[group] = max(self.group_peak.get(group, 0), most)
-        grown = self._fit(most * max(CAPACITY_MARGIN, 1.0))  # at least the overflowed view
-        self.capacities[group] = max(grown, self._fit(self.capacities.get(group, 0) + CAPACITY_ROUND))
+        self.groups.grow(self._groups_of(redo[0][1]))  # the overflowed step's groups that did not fit
         self.redos += 1
         self.redone_steps += len(redo)
         result = None
-        for s, i in redo:
-            result = self._graph_step(s, i)
+        for s, idxs in redo:
+            result = self._graph_step(s, idxs)
         again = self.settle()
         return again if again is not None else result
 
     def pair_totals(self) -> tuple[int, int, int]:
         """(pairs before the cull, after it, views) over the settled graph steps."""
         self.settle()
-        if not self.group_stats:
-            return 0, 0, self.views
-        before, after, _ = (int(v) for v in torch.stack(list(self.group_stats.values())).sum(0).tolist())
-        return before, after, self.views
+        return (*self.groups.totals(), self.views)
 
     def summary(self) -> dict[str, Any]:
         """For the run record: how the steps ran."""
-        capacities = sorted(self.capacities.values())
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
-                "redone_steps": self.redone_steps,
-                "pair_capacity": {"groups": len(capacities), "max": capacities[-1] if capacities else 0,
-                                  "median": capacities[len(capacities) // 2] if capacities else 0},
+                "redone_steps": self.redone_steps, "pair_capacity": self.groups.summary(),
                 "canvas": list(self.canvas[:2]) if self.canvas is not None else None,
                 "eager_steps": dict(self.eager_steps)}  # fmt: skip
 
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
-    """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
-    single-view steps, no per-view correction that is not graph-safe (corrections.graph_refusers)."""
+    """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam, no
+    per-view correction that is not graph-safe (corrections.graph_refusers). Any
+    train.batch_size: a batch step is captured as one graph of its views."""
     return (
         bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
-        and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
+        and renderer.options.ellipse_cull and runner.fused_adam is not None
         and not corrections.graph_refusers(getattr(runner, "corrections", []))
     )  # fmt: skip

@@ -14,7 +14,7 @@ same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor
 from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
+from gstrain.render.isect import PairBudget
 from gstrain.train.corrections import ViewCorrection, corrected_camera, corrected_image
 from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
@@ -44,13 +45,16 @@ class StepResult:
     target: Tensor | int | None = None
     comm: tuple[int, int] | None = None  # bytes this rank sent and received (the sharded step)
     records: int = 0  # records this rank's Gaussians sent to other renderers (the sharded step)
+    view_pairs: tuple[int, ...] | None = None  # each view's pairs after the cull, as `pairs` (None: not reported)
 
 
 @dataclass
 class StepView:
     """One view of a step: camera, target (float, [H,W,3]) and mask (None: every pixel). `valid`
     ([2] int32 on the device): the target is a canvas whose top-left valid part is the view, as
-    the renderer's RasterOptions.valid_size (train/graph_step.py)."""
+    the renderer's RasterOptions.valid_size (train/graph_step.py). `budget`: the pair budget this
+    view's render uses (a CUDA-graph step's, one per batch slot; None: the renderer's options);
+    with it the view's RasterOptions are the renderer's with this budget and `valid`."""
 
     viewmat: Tensor
     K: Tensor
@@ -58,8 +62,9 @@ class StepView:
     mask: ViewMask | None = None
     valid: Tensor | None = None
     index: int | None = None  # the training view's index: per-view corrections read it (None: not a training view)
-    # the training view's index as an int tensor on the device, inside a captured CUDA-graph step
-    # (the host's index would be baked into the graph); corrections read it when set
+    budget: PairBudget | None = None
+    # the training view's index on the device ([1] int32) in a CUDA-graph step, refilled before
+    # each replay: a captured step may not read `index` (the host value is frozen at capture)
     slot: Tensor | None = None
 
 
@@ -130,8 +135,10 @@ class StepRunner:
             height, width = v.gt.shape[:2]
             with timer.phase("forward"):
                 viewmat = corrected_camera(self.corrections, v.viewmat, v, step)
+                options = None if v.budget is None else replace(self.renderer.options, pair_budget=v.budget,
+                                                                valid_size=v.valid)  # fmt: skip
                 image, _, info = self.renderer(params, viewmat, v.K, width, height, sh_degree, background,
-                                               timer=timer)  # fmt: skip
+                                               timer=timer, options=options)  # fmt: skip
             self.strategy.step_pre_backward(params, optimizers, step, info)
             with timer.phase("loss"):
                 loss, terms = self.view_loss(image, v, background)
@@ -147,8 +154,10 @@ class StepRunner:
         info_fn = (lambda: infos[0]) if len(views) == 1 else (lambda: merge_infos(infos))
         changed = self.finish(params, optimizers, step, loss, info_fn, scheduler)
         terms_mean = {k: t.detach() / len(views) if len(views) > 1 else t.detach() for k, t in terms_sum.items()}
-        pairs = sum_pairs([i.get("isect_pairs") for i in infos])
-        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, pairs, target=views[0].gt)
+        view_pairs = [i.get("isect_pairs") for i in infos]
+        kept = tuple(p[1] for p in view_pairs) if all(p is not None for p in view_pairs) else None
+        return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, sum_pairs(view_pairs),
+                          target=views[0].gt, view_pairs=kept)  # fmt: skip
 
     def view_loss(self, image: Tensor, view: StepView, background: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """One view's photometric loss and its terms: on a canvas the fused loss over the valid
