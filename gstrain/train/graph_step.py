@@ -402,11 +402,20 @@ class GraphEngine:
                 "eager_steps": dict(self.eager_steps)}  # fmt: skip
 
 
+def graphs_planned(cfg: Any, renderer: Any, device: torch.device) -> bool:
+    """graphs_possible as far as it is known before the step runner exists (the memory plan asks
+    it): fused Adam from dev.fused_adam; per-view corrections, which rule graphs out, not yet
+    attached (a plan then counts a graph pool the run will not hold: the safe side)."""
+    return (
+        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
+        and renderer.options.ellipse_cull and bool(cfg.dev.fused_adam) and cfg.train.batch_size == 1
+    )  # fmt: skip
+
+
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
     """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
     single-view steps, no per-view correction (its Adam and view index are not graph-safe)."""
     return (
-        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
-        and renderer.options.ellipse_cull and runner.fused_adam is not None and cfg.train.batch_size == 1
+        graphs_planned(cfg, renderer, device) and runner.fused_adam is not None
         and not getattr(runner, "corrections", None)
     )  # fmt: skip
