@@ -58,6 +58,7 @@ FIELDS = ("pipeline", "factor", "n", "cap_gib", "init", "warmup", "steps", "extr
 # every point: all views train (no test renders), no checkpoints or exports, no densification
 FIXED_SETS = ("data.test_every=0", "log.ckpt_every=0", "log.eval_steps=[]", "log.save_steps=[]",
               "strategy.refine_start=1000000000")  # fmt: skip
+STDERR_LINES = 80  # of a failed child's stderr, kept in its record ("stderr"; not in the CSV)
 FLAG_KEYS = {"--backend": "render.backend", "--atomic-mode": "render.atomic_mode", "--factor": "data.factor"}
 
 
@@ -243,9 +244,13 @@ def run_point(spec: dict[str, Any], in_process: bool = False, timeout: float = 1
         out = spec_file.with_suffix(".out.json")
         if proc.returncode == 0 and out.exists():
             return json.loads(out.read_text())
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+        lines = proc.stderr.strip().splitlines()
+        # a record written before a non-zero exit: the point was measured, the interpreter's
+        # teardown (CUDA graphs and pools freed at exit, say) failed after it
+        when = "after writing its record" if out.exists() else "before writing its record"
         return {**{k: spec.get(k) for k in FIELDS if k in spec}, "status": "error",
-                "error": f"exit {proc.returncode}: {tail}"}  # fmt: skip
+                "error": f"exit {proc.returncode} {when}: {' | '.join(lines[-3:])[-600:]}",
+                "stderr": "\n".join(lines[-STDERR_LINES:])}  # fmt: skip
 
 
 def largest_n(fits: Callable[[int], bool], lo: int, hi: int, tolerance: float) -> tuple[int | None, int | None]:
