@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import math
 import os
@@ -196,7 +197,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         held += [t for opt in trainer.optimizers.values() for st in opt.state.values() for t in st.values()]
         held += list(getattr(trainer.strategy, "state", {}).values())
         view = scene.train[0]
-        return {
+        result = {
             "ms_per_step": round((marks[f"t{warmup + steps}"] - marks[f"t{warmup}"]) * 1e3 / steps, 3),
             "peak_gib": round(max(setup_peak, _peak_gib(device)), 3),
             "setup_gib": None if setup_bytes is None else round(setup_bytes / 2**30, 3),
@@ -208,6 +209,17 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "views": len(scene.train), "width": view.width, "height": view.height,
             "num_gaussians": len(trainer.params["means"]), "device": str(device),
         }  # fmt: skip
+        del trainer.train_step  # the timing hook's cycle: trainer -> hook -> bound method -> trainer
+    return result
+
+
+def release_memory() -> None:
+    """What a measured trainer held goes now (child_record calls it once measure has returned):
+    its CUDA graphs and their pool are freed here, not in the interpreter's teardown, and an
+    in-process next point starts from an empty cache."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def child_record(spec: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +233,8 @@ def child_record(spec: dict[str, Any]) -> dict[str, Any]:
         record.update(status="oom", error=str(exc).splitlines()[0][:300])
         if torch.cuda.is_available():
             record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    finally:
+        release_memory()
     return record
 
 

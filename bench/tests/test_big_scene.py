@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,26 @@ def test_curve_point_in_a_child_process(tiny_scene):
     rec = big_curve.run_point(spec)
     assert rec["status"] == "ok", rec
     assert (rec["num_gaussians"], rec["width"], rec["height"], rec["probe"]) == (400, 48, 32, True)
+
+
+def test_a_point_frees_its_trainer_before_it_returns(tiny_scene, monkeypatch):
+    """A measured trainer (on a GPU: its CUDA graphs and their memory pool) is gone once the point's
+    record is made, not left to the interpreter's teardown or to the next in-process point."""
+    from gstrain.train.trainer import Trainer
+
+    made: list[weakref.ref] = []
+    init = Trainer.__init__
+
+    def remembered(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Trainer, "__init__", remembered)
+    spec = {"scene": str(tiny_scene), "pipeline": "gstrain", "factor": 2, "n": 300, "cap_gib": None,
+            "init": "model", "warmup": 1, "steps": 1, "extra": "", "probe": False, "device": "cpu",
+            "sets": []}  # fmt: skip
+    assert big_curve.child_record(spec)["status"] == "ok"
+    assert len(made) == 1 and made[0]() is None
 
 
 def test_a_failed_child_brings_its_stderr_back(tmp_path):
