@@ -20,6 +20,8 @@ it is today; decode_s, and load_s for the whole load with the SfM points), and
 status ok | oom | error; for bytes per Gaussian (bench/memory_per_gaussian.py): setup_bytes (allocated
 once the trainer is built), images_bytes (the training images the device holds), train_peak_bytes (the
 allocator's peak over the steps alone: its peak statistic reset after set-up; CUDA only),
+train_reserved_bytes (the same for the memory it reserved: with the cache, and the CUDA graphs'
+pools, whose blocks are free between replays, so that max_memory_allocated leaves them out),
 resident_per_gaussian (bytes per Gaussian of the tensors with one row per Gaussian: parameters, their
 gradients, Adam's moments, the strategy's statistics, after the steps) and pairs_per_gaussian (tile
 pairs per view per Gaussian, after the cull, over every step). --cap-gib C caps the allocator at C GiB
@@ -54,7 +56,7 @@ INITS = ("model", "sfm")
 FIELDS = ("pipeline", "factor", "n", "cap_gib", "init", "warmup", "steps", "extra", "probe", "status", "ms_per_step",
           "peak_gib", "setup_gib", "images_per_s", "decode_s", "load_s",
           "views", "width", "height", "num_gaussians", "setup_bytes", "images_bytes", "train_peak_bytes",
-          "resident_per_gaussian", "pairs_per_gaussian",
+          "train_reserved_bytes", "resident_per_gaussian", "pairs_per_gaussian",
           "device", "error")  # fmt: skip
 # every point: all views train (no test renders), no checkpoints or exports, no densification
 FIXED_SETS = ("data.test_every=0", "log.ckpt_every=0", "log.eval_steps=[]", "log.save_steps=[]",
@@ -163,7 +165,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         on_gpu = device.type == "cuda"
         setup_bytes = torch.cuda.memory_allocated(device) if on_gpu else None
         setup_peak = _peak_gib(device)
-        if on_gpu:  # the steps' own peak from here (peak_gib still covers the set-up: setup_peak)
+        if on_gpu:  # the steps' own peaks from here (peak_gib still covers the set-up: setup_peak)
+            torch.cuda.empty_cache()  # the set-up's cached blocks: reserved memory starts at what lives
             torch.cuda.reset_peak_memory_stats(device)
         shapes = trainer.ctx.views.shapes()
         images_bytes = sum(math.prod(s) for s in shapes) if trainer.image_store.where == "gpu" else 0
@@ -189,6 +192,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if len(marks) < 2:
             raise RuntimeError(f"the fit ended before step {warmup + steps}")
         train_peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
+        train_reserved = torch.cuda.max_memory_reserved(device) if on_gpu else None
         count = len(trainer.params["means"])
         trainer.record.add_pairs(trainer.engine.pair_totals())  # the graph steps' pairs (settled)
         rec = trainer.record
@@ -202,6 +206,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_gib": round(max(setup_peak, _peak_gib(device)), 3),
             "setup_gib": None if setup_bytes is None else round(setup_bytes / 2**30, 3),
             "setup_bytes": setup_bytes, "images_bytes": images_bytes, "train_peak_bytes": train_peak,
+            "train_reserved_bytes": train_reserved,
             "resident_per_gaussian": round(resident_bytes_per_gaussian(held, count), 2),
             "pairs_per_gaussian": None if pairs is None else round(pairs, 4),
             "images_per_s": round(len(scene.train) / max(decode_s or load_s, 1e-9), 1),

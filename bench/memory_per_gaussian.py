@@ -25,8 +25,8 @@ after the steps (parameters, gradients, Adam moments, statistics) and the tile p
 
 The analytic breakdown (memory_budget.per_gaussian_breakdown, at the scene's SH degree, pairs per
 Gaussian as measured where known): parameters by tensor, gradients, Adam moments, statistics, the
-step's buffers, pairs; for gstrain on a GPU the graph pool's second copy of a step; for the
-baseline gsplat's SH path (BASELINE_EXTRA_BYTES) on top. Writes DIR/memory_per_gaussian.json and
+step's buffers, pairs; for the baseline gsplat's SH path (baseline_extra_bytes) on top. Both also as reserved memory
+(max_memory_reserved: with the cache and the graphs' pools). Writes DIR/memory_per_gaussian.json and
 DIR/memory_per_gaussian.md (the markdown tables, also printed).
 """
 
@@ -41,7 +41,6 @@ from typing import Any
 from bench.bench_train import PIPELINES
 from bench.big_curve import Curve, load_records, parse_count
 from gstrain.files import write_text_atomic
-from gstrain.train.graph_step import CAPACITY_MARGIN
 from gstrain.train.memory_budget import (
     FLOAT,
     PAIRS_PER_GAUSSIAN,
@@ -74,14 +73,15 @@ def baseline_extra_bytes(sh_degree: int) -> dict[str, int]:
     }
 
 
-def analytic(pipeline: str, sh_degree: int, pairs: float | None, graphs: bool) -> dict[str, int]:
-    """The breakdown per Gaussian of `pipeline` (see the module docstring)."""
+def analytic(pipeline: str, sh_degree: int, pairs: float | None) -> dict[str, int]:
+    """The breakdown per Gaussian of `pipeline` (see the module docstring). No graph-pool row: the
+    city has no masks, and for every other eager step the graph engine drops its graphs first
+    (graph_step.DROP_GRAPHS_FOR)."""
     step = dict(STEP_BYTES)
     if pipeline == "baseline":
         step.update(baseline_extra_bytes(sh_degree))
     return per_gaussian_breakdown(sh_degree, "default", step_bytes=step,
-                                  pairs_per_gaussian=PAIRS_PER_GAUSSIAN if pairs is None else pairs,
-                                  graph_pair_margin=CAPACITY_MARGIN if graphs else 0.0)  # fmt: skip
+                                  pairs_per_gaussian=PAIRS_PER_GAUSSIAN if pairs is None else pairs)  # fmt: skip
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
@@ -103,25 +103,30 @@ def summarize(records: list[dict[str, Any]], sh_degree: int) -> dict[str, Any]:
         for r in ok:
             peak, n = r.get("train_peak_bytes"), r["n"]
             fixed = step_pixel_bytes(r["width"] * r["height"])
-            row = {"n": n, "train_peak_bytes": peak, "images_bytes": r.get("images_bytes"), "fixed_bytes": fixed,
-                   "per_gaussian": None, "slope": None, "resident_per_gaussian": r.get("resident_per_gaussian"),
+            row = {"n": n, "train_peak_bytes": peak, "train_reserved_bytes": r.get("train_reserved_bytes"),
+                   "images_bytes": r.get("images_bytes"), "fixed_bytes": fixed, "per_gaussian": None, "slope": None,
+                   "reserved_slope": None, "resident_per_gaussian": r.get("resident_per_gaussian"),
                    "pairs_per_gaussian": r.get("pairs_per_gaussian"), "ms_per_step": r.get("ms_per_step")}  # fmt: skip
             if peak is not None:
                 row["per_gaussian"] = round((peak - (r.get("images_bytes") or 0) - fixed) / n, 1)
-                if prev is not None and prev["train_peak_bytes"] is not None and n != prev["n"]:
-                    row["slope"] = round((peak - prev["train_peak_bytes"]) / (n - prev["n"]), 1)
+            if prev is not None and n != prev["n"]:
+                for key, of in (("slope", "train_peak_bytes"), ("reserved_slope", "train_reserved_bytes")):
+                    if row[of] is not None and prev[of] is not None:
+                        row[key] = round((row[of] - prev[of]) / (n - prev["n"]), 1)
             points.append(row)
             prev = row
-        measured = [p for p in points if p["train_peak_bytes"] is not None]
-        line = fit_line([p["n"] for p in measured], [p["train_peak_bytes"] for p in measured])
+        lines = {}
+        for key, of in (("slope", "train_peak_bytes"), ("reserved_slope", "train_reserved_bytes")):
+            measured = [p for p in points if p[of] is not None]
+            lines[key] = fit_line([p["n"] for p in measured], [p[of] for p in measured])
         pairs = [p["pairs_per_gaussian"] for p in points if p["pairs_per_gaussian"] is not None]
-        graphs = pipeline != "baseline" and any(r.get("device", "").startswith("cuda") for r in ok)
-        rows = analytic(pipeline, sh_degree, pairs[-1] if pairs else None, graphs)
+        rows = analytic(pipeline, sh_degree, pairs[-1] if pairs else None)
         out[pipeline] = {
             "points": points, "failed": [{"n": r["n"], "status": r["status"], "error": r.get("error")}
                                          for r in records if r["pipeline"] == pipeline and r["status"] != "ok"],
-            "slope": None if line is None else round(line[0], 1),
-            "intercept_bytes": None if line is None else round(line[1]),
+            "slope": None if lines["slope"] is None else round(lines["slope"][0], 1),
+            "intercept_bytes": None if lines["slope"] is None else round(lines["slope"][1]),
+            "reserved_slope": None if lines["reserved_slope"] is None else round(lines["reserved_slope"][0], 1),
             "analytic": rows, "analytic_total": sum(rows.values()),
         }  # fmt: skip
     return out
@@ -134,19 +139,25 @@ def _num(value: Any, scale: float = 1.0, digits: int = 1) -> str:
 def markdown(summary: dict[str, Any], sh_degree: int) -> str:
     lines = [f"Bytes per Gaussian at the training peak (SH degree {sh_degree}); peaks from "
              "torch.cuda.max_memory_allocated after set-up.", "",
-             "| pipeline | N | peak MiB | images MiB | fixed MiB | B/G at peak | slope B/G | resident B/G | pairs/G "
-             "| ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| pipeline | N | peak MiB | images MiB | fixed MiB | B/G at peak | slope B/G | reserved slope B/G "
+             "| resident B/G | pairs/G | ms/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for pipeline, s in summary.items():
         for p in s["points"]:
             cells = [_num(p["train_peak_bytes"], MIB), _num(p["images_bytes"], MIB), _num(p["fixed_bytes"], MIB),
-                     _num(p["per_gaussian"]), _num(p["slope"]), _num(p["resident_per_gaussian"]),
+                     _num(p["per_gaussian"]), _num(p["slope"]), _num(p["reserved_slope"]),
+                     _num(p["resident_per_gaussian"]),
                      _num(p["pairs_per_gaussian"], digits=2), _num(p["ms_per_step"], digits=2)]  # fmt: skip
             lines.append(f"| {pipeline} | {p['n']:,} | " + " | ".join(cells) + " |")
         for f in s["failed"]:
-            lines.append(f"| {pipeline} | {f['n']:,} | {f['status']} | | | | | | | |")
-    lines += ["", "| pipeline | slope over all N (B/G) | intercept MiB | analytic B/G |", "|---|---|---|---|"]
+            lines.append(f"| {pipeline} | {f['n']:,} | {f['status']} | | | | | | | | |")
+    lines += ["", "| pipeline | slope over all N (B/G) | intercept MiB | reserved slope (B/G) | analytic B/G |",
+              "|---|---|---|---|---|"]  # fmt: skip
     for pipeline, s in summary.items():
-        lines.append(f"| {pipeline} | {_num(s['slope'])} | {_num(s['intercept_bytes'], MIB)} | {s['analytic_total']} |")
+        lines.append(f"| {pipeline} | {_num(s['slope'])} | {_num(s['intercept_bytes'], MIB)} | "
+                     f"{_num(s['reserved_slope'])} | {s['analytic_total']} |")  # fmt: skip
+    lines += ["", "Reserved memory holds the allocator's cache and the CUDA graphs' pools, which max_memory_allocated "
+              "leaves out (their blocks are free between replays); an ended epoch's pool is given back only under "
+              "memory pressure (a cap, a smaller card)."]  # fmt: skip
     if "gstrain" in summary and "baseline" in summary:
         a, b = summary["gstrain"]["slope"], summary["baseline"]["slope"]
         ratio = f"{a / b:.3f}" if a is not None and b else "–"

@@ -52,6 +52,11 @@ CAPACITY_ROUND = 1 << 16
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
 CAPTURE_AFTER = 0  # eager steps of a graph's key in an epoch before it is captured
+# Eager steps before which the epoch's graphs are dropped: the graphs' pool holds a whole step's
+# gradients and buffers, idle while an eager step allocates its own beside it (the peak of a graph
+# run). Refinements and resets end the epoch anyway; a timed step or an ARC round costs one
+# capture after it. Masked views keep the graphs: they interleave with graph steps.
+DROP_GRAPHS_FOR = ("strategy", "timed", "arc_tuning")
 
 
 def _round_up(n: int) -> int:
@@ -137,6 +142,7 @@ class GraphEngine:
         self.captures = 0
         self.redos = 0
         self.redone_steps = 0  # replays repeated by redos (the cost of an overflow)
+        self.pool_drops = 0  # epochs ended early for an eager step (DROP_GRAPHS_FOR)
         self.eager_steps: dict[str, int] = {}  # eager steps by reason (eager_reason)
 
     # ----------------------------------------------------------------- engine
@@ -220,6 +226,9 @@ class GraphEngine:
             reason = "size_not_captured"
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
         self.settle()  # an eager step may read what earlier replays wrote (densification)
+        if self.graphs and reason in DROP_GRAPHS_FOR:  # their pool may be reused by this step
+            self._new_epoch(None)
+            self.pool_drops += 1
         if self.warm or self.stream is None:
             result = self._eager(step, idx)
         else:
@@ -395,7 +404,7 @@ class GraphEngine:
         """For the run record: how the steps ran."""
         capacities = sorted(self.capacities.values())
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
-                "redone_steps": self.redone_steps,
+                "redone_steps": self.redone_steps, "pool_drops": self.pool_drops,
                 "pair_capacity": {"groups": len(capacities), "max": capacities[-1] if capacities else 0,
                                   "median": capacities[len(capacities) // 2] if capacities else 0},
                 "canvas": list(self.canvas[:2]) if self.canvas is not None else None,
@@ -410,6 +419,13 @@ def graphs_planned(cfg: Any, renderer: Any, device: torch.device) -> bool:
         bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
         and renderer.options.ellipse_cull and bool(cfg.dev.fused_adam) and cfg.train.batch_size == 1
     )  # fmt: skip
+
+
+def held_pool_margin(cfg: Any, renderer: Any, device: torch.device, masks: list[Any]) -> float:
+    """memory_budget's graph_pair_margin for a set-up: CAPACITY_MARGIN where graphs run and masked
+    views' eager steps run beside the graphs' pool (DROP_GRAPHS_FOR leaves them out), else 0."""
+    masked = any(m is not None for m in masks)
+    return CAPACITY_MARGIN if masked and graphs_planned(cfg, renderer, device) else 0.0
 
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:

@@ -85,10 +85,12 @@ def per_gaussian_breakdown(
     tensor, the gradients, Adam's moments, the strategy's statistics, the step's buffers
     (STEP_BYTES unless given) and its tile pairs.
 
-    graph_pair_margin > 0: the CUDA-graph engine runs the steps (train/graph_step.py, its
-    CAPACITY_MARGIN). Its graph pool keeps one step's gradients and buffers, with pair buffers of
-    that margin times the pairs, between replays; an eager step (the first, timed ones, refine
-    steps) allocates its own beside the pool, so at that step they are held twice."""
+    graph_pair_margin > 0: the CUDA-graph engine runs the steps and keeps its graphs through some
+    eager steps (train/graph_step.py: those of masked views; its CAPACITY_MARGIN). The graphs' pool
+    holds one step's gradients and buffers, with pair buffers of that margin times the pairs, and
+    such an eager step allocates its own beside it: at that step they are held twice. (Before
+    refinements, timed steps and ARC rounds the engine drops its graphs, so their pool can serve
+    the eager step.)"""
     if strategy not in STRATEGY_FLOATS:
         raise ValueError(f"no per-Gaussian state known for strategy {strategy!r}")
     layout = {**PARAM_FLOATS_BASE, "shN": shn_floats(sh_degree)}
