@@ -54,8 +54,9 @@ MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
 CAPTURE_AFTER = 0  # eager steps of a graph's key in an epoch before it is captured
 # Eager steps before which the epoch's graphs are dropped: the graphs' pool holds a whole step's
 # gradients and buffers, idle while an eager step allocates its own beside it (the peak of a graph
-# run). Refinements and resets end the epoch anyway; a timed step or an ARC round costs one
-# capture after it. Masked views keep the graphs: they interleave with graph steps.
+# run). A refinement or reset that changes the model ends the epoch anyway (new tensors); one that
+# changes nothing, a timed step or an ARC round costs one capture after it. Masked views keep the
+# graphs: they interleave with graph steps.
 DROP_GRAPHS_FOR = ("strategy", "timed", "arc_tuning")
 
 
