@@ -412,14 +412,20 @@ class GraphEngine:
                 "eager_steps": dict(self.eager_steps)}  # fmt: skip
 
 
+def _graph_set_up(cfg: Any, renderer: Any, device: torch.device) -> bool:
+    """What graphs need of the config and the renderer: our CUDA kernels with the culled
+    intersection, single-view steps, dev.cuda_graphs on."""
+    return (
+        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
+        and renderer.options.ellipse_cull and cfg.train.batch_size == 1
+    )  # fmt: skip
+
+
 def graphs_planned(cfg: Any, renderer: Any, device: torch.device) -> bool:
     """graphs_possible as far as it is known before the step runner exists (the memory plan asks
     it): fused Adam from dev.fused_adam; per-view corrections, which rule graphs out, not yet
     attached (a plan then counts a graph pool the run will not hold: the safe side)."""
-    return (
-        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
-        and renderer.options.ellipse_cull and bool(cfg.dev.fused_adam) and cfg.train.batch_size == 1
-    )  # fmt: skip
+    return _graph_set_up(cfg, renderer, device) and bool(cfg.dev.fused_adam)
 
 
 def held_pool_margin(cfg: Any, renderer: Any, device: torch.device, masks: list[Any]) -> float:
@@ -433,6 +439,6 @@ def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) 
     """dev.cuda_graphs applies: our CUDA kernels with the culled intersection, fused Adam,
     single-view steps, no per-view correction (its Adam and view index are not graph-safe)."""
     return (
-        graphs_planned(cfg, renderer, device) and runner.fused_adam is not None
+        _graph_set_up(cfg, renderer, device) and runner.fused_adam is not None
         and not getattr(runner, "corrections", None)
     )  # fmt: skip
