@@ -17,7 +17,14 @@ ms_per_step, peak_gib (the allocator's peak over the whole child, set-up include
 the process's peak resident set), setup_gib (allocated once the trainer is built: model and
 images), images_per_s (the scene's images decoded and resized at start-up: gstrain's data path as
 it is today; decode_s, and load_s for the whole load with the SfM points), and
-status ok | oom | error. --cap-gib C caps the allocator at C GiB
+status ok | oom | error; for bytes per Gaussian (bench/memory_per_gaussian.py): setup_bytes (allocated
+once the trainer is built), images_bytes (the training images the device holds), train_peak_bytes (the
+allocator's peak over the steps alone: its peak statistic reset after set-up; CUDA only),
+train_reserved_bytes (the same for the memory it reserved: with the cache, and the CUDA graphs'
+pools, whose blocks are free between replays, so that max_memory_allocated leaves them out),
+resident_per_gaussian (bytes per Gaussian of the tensors with one row per Gaussian: parameters, their
+gradients, Adam's moments, the strategy's statistics, after the steps) and pairs_per_gaussian (tile
+pairs per view per Gaussian, after the cull, over every step). --cap-gib C caps the allocator at C GiB
 (torch.cuda.set_per_process_memory_fraction): a 24 GB card on the H200. Records go to
 DIR/curve.jsonl as they come (a later call skips points already there) and DIR/curve.csv;
 --largest LO:HI bisects N geometrically per pipeline and factor (probes of --probe-steps steps)
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import math
 import os
@@ -47,11 +55,13 @@ CURVE_FILE, CSV_FILE, LARGEST_FILE, PLOT_FILE = "curve.jsonl", "curve.csv", "lar
 INITS = ("model", "sfm")
 FIELDS = ("pipeline", "factor", "n", "cap_gib", "init", "warmup", "steps", "extra", "probe", "status", "ms_per_step",
           "peak_gib", "setup_gib", "images_per_s", "decode_s", "load_s",
-          "views", "width", "height", "num_gaussians",
+          "views", "width", "height", "num_gaussians", "setup_bytes", "images_bytes", "train_peak_bytes",
+          "train_reserved_bytes", "resident_per_gaussian", "pairs_per_gaussian",
           "device", "error")  # fmt: skip
 # every point: all views train (no test renders), no checkpoints or exports, no densification
 FIXED_SETS = ("data.test_every=0", "log.ckpt_every=0", "log.eval_steps=[]", "log.save_steps=[]",
               "strategy.refine_start=1000000000")  # fmt: skip
+STDERR_LINES = 80  # of a failed child's stderr, kept in its record ("stderr"; not in the CSV)
 FLAG_KEYS = {"--backend": "render.backend", "--atomic-mode": "render.atomic_mode", "--factor": "data.factor"}
 
 
@@ -113,6 +123,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     from gstrain.model import SH_C0
     from gstrain.render import resolve_device
     from gstrain.threads import apply_threads
+    from gstrain.train.memory_budget import resident_bytes_per_gaussian
     from gstrain.train.trainer import Trainer
 
     scene_dir = Path(spec["scene"])
@@ -151,7 +162,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="big_curve_run_") as run_dir:
         trainer = CurveTrainer(cfg, scene, Path(run_dir), device, log=lambda _msg: None)
         sync()
-        setup_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        on_gpu = device.type == "cuda"
+        setup_bytes = torch.cuda.memory_allocated(device) if on_gpu else None
+        setup_peak = _peak_gib(device)
+        if on_gpu:  # the steps' own peaks from here (peak_gib still covers the set-up: setup_peak)
+            torch.cuda.empty_cache()  # the set-up's cached blocks: reserved memory starts at what lives
+            torch.cuda.reset_peak_memory_stats(device)
+        shapes = trainer.ctx.views.shapes()
+        images_bytes = sum(math.prod(s) for s in shapes) if trainer.image_store.where == "gpu" else 0
         marks: dict[str, float] = {}
         step_once = trainer.train_step
 
@@ -173,15 +191,40 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 trainer.writer.close()
         if len(marks) < 2:
             raise RuntimeError(f"the fit ended before step {warmup + steps}")
+        train_peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
+        train_reserved = torch.cuda.max_memory_reserved(device) if on_gpu else None
+        count = len(trainer.params["means"])
+        trainer.record.add_pairs(trainer.engine.pair_totals())  # the graph steps' pairs (settled)
+        rec = trainer.record
+        pairs = rec.pairs_after / rec.pairs_views / count if rec.pairs_views else None
+        held = [*trainer.params.values(), *(p.grad for p in trainer.params.values())]
+        held += [t for opt in trainer.optimizers.values() for st in opt.state.values() for t in st.values()]
+        held += list(getattr(trainer.strategy, "state", {}).values())
         view = scene.train[0]
-        return {
+        result = {
             "ms_per_step": round((marks[f"t{warmup + steps}"] - marks[f"t{warmup}"]) * 1e3 / steps, 3),
-            "peak_gib": round(_peak_gib(device), 3), "setup_gib": None if setup_gib is None else round(setup_gib, 3),
+            "peak_gib": round(max(setup_peak, _peak_gib(device)), 3),
+            "setup_gib": None if setup_bytes is None else round(setup_bytes / 2**30, 3),
+            "setup_bytes": setup_bytes, "images_bytes": images_bytes, "train_peak_bytes": train_peak,
+            "train_reserved_bytes": train_reserved,
+            "resident_per_gaussian": round(resident_bytes_per_gaussian(held, count), 2),
+            "pairs_per_gaussian": None if pairs is None else round(pairs, 4),
             "images_per_s": round(len(scene.train) / max(decode_s or load_s, 1e-9), 1),
             "load_s": round(load_s, 2), "decode_s": None if decode_s is None else round(decode_s, 2),
             "views": len(scene.train), "width": view.width, "height": view.height,
             "num_gaussians": len(trainer.params["means"]), "device": str(device),
         }  # fmt: skip
+        del trainer.train_step  # the timing hook's cycle: trainer -> hook -> bound method -> trainer
+    return result
+
+
+def release_memory() -> None:
+    """What a measured trainer held goes now (child_record calls it once measure has returned):
+    its CUDA graphs and their pool are freed here, not in the interpreter's teardown, and an
+    in-process next point starts from an empty cache."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def child_record(spec: dict[str, Any]) -> dict[str, Any]:
@@ -195,6 +238,8 @@ def child_record(spec: dict[str, Any]) -> dict[str, Any]:
         record.update(status="oom", error=str(exc).splitlines()[0][:300])
         if torch.cuda.is_available():
             record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    finally:
+        release_memory()
     return record
 
 
@@ -218,9 +263,13 @@ def run_point(spec: dict[str, Any], in_process: bool = False, timeout: float = 1
         out = spec_file.with_suffix(".out.json")
         if proc.returncode == 0 and out.exists():
             return json.loads(out.read_text())
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+        lines = proc.stderr.strip().splitlines()
+        # a record written before a non-zero exit: the point was measured, the interpreter's
+        # teardown (CUDA graphs and pools freed at exit, say) failed after it
+        when = "after writing its record" if out.exists() else "before writing its record"
         return {**{k: spec.get(k) for k in FIELDS if k in spec}, "status": "error",
-                "error": f"exit {proc.returncode}: {tail}"}  # fmt: skip
+                "error": f"exit {proc.returncode} {when}: {' | '.join(lines[-3:])[-600:]}",
+                "stderr": "\n".join(lines[-STDERR_LINES:])}  # fmt: skip
 
 
 def largest_n(fits: Callable[[int], bool], lo: int, hi: int, tolerance: float) -> tuple[int | None, int | None]:

@@ -195,6 +195,36 @@ def test_graph_steps_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overfl
         assert opt.param_groups[0]["lr"] == eager.optimizers[name].param_groups[0]["lr"]
 
 
+def test_a_timed_step_drops_the_graphs_so_their_pool_is_free(demo_scene, tmp_path):
+    """An eager step beside the graphs' pool would hold a step's gradients and buffers twice: under
+    a memory budget, before a timed step the engine drops its epoch's graphs (the graph objects
+    are gone, so the allocator may give their pool to the eager step), and the next graph step
+    captures again. That the
+    steps still compute the eager function: test_graph_steps_equal_eager_steps (overflow: timed
+    steps every seventh)."""
+    import weakref
+
+    trainer = graph_trainer(load_scene(demo_scene), tmp_path, "g", graphs=True, refine_start=1000,
+                            train={"max_memory_gib": 16.0})  # the drop is for runs under a budget
+    g = trainer.graphs
+    for step in range(4):  # 0 eager (first), 1-3 graph steps
+        trainer.step = step
+        trainer.train_step(step)
+    assert g.graphs and g.views + len(g.unsettled) == 3, g.summary()
+    held = [weakref.ref(entry) for entry in g.graphs.values()]
+    trainer.timer.enabled = True
+    trainer.step = 4
+    trainer.train_step(4)
+    trainer.timer.enabled = False
+    assert g.graphs == {} and g.pool is None and g.pool_drops == 1 and all(r() is None for r in held), g.summary()
+    captures = g.captures
+    trainer.step = 5
+    trainer.train_step(5)
+    g.settle()
+    assert g.captures == captures + 1 and g.graphs and g.eager_steps == {"first": 1, "timed": 1}, g.summary()
+    trainer.timer.summary()
+
+
 @pytest.mark.parametrize("overflow", [False, True])
 def test_canvas_graph_steps_equal_eager_canvas_steps(demo_scene, tmp_path, monkeypatch, overflow):
     """Views of four sizes: graph steps on the canvas (one graph per capacity class; with

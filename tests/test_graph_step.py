@@ -95,16 +95,19 @@ def test_arc_retunes_once_the_population_moved_a_fifth():
     assert tuner.rounds == 4
 
 
-def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[list, object]:
+def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30, keep: bool = False,
+                memory_gib: float = 0.0) -> tuple[list, object]:  # fmt: skip
     """A CPU trainer whose graph engine decides as on a GPU; a graph step (capture or replay) is
-    stood in for by the eager step, so the run trains, and is recorded as "graph"."""
+    stood in for by the eager step, so the run trains, and is recorded as "graph". keep: the
+    stand-in also keeps a placeholder as its key's graph, as a capture would. memory_gib: the run's
+    train.max_memory_gib."""
     from gstrain.data.colmap import load_scene
     from gstrain.train.graph_step import GraphEngine
     from gstrain.train.trainer import Trainer
 
     scene = load_scene(demo_scene)
     cfg = build_config(overrides=[{
-        "train": {"steps": 500},
+        "train": {"steps": 500, "max_memory_gib": memory_gib},
         "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15, "grow_grad2d": 0.0},
     }])  # fmt: skip
     trainer = Trainer(cfg, scene, tmp_path / "run", torch.device("cpu"), log=lambda m: None)
@@ -113,6 +116,8 @@ def _policy_run(demo_scene, tmp_path, monkeypatch, steps: int = 30) -> tuple[lis
 
     def graph_step(step: int, idxs: tuple[int, ...]):
         kinds[-1] = "graph"
+        if keep:
+            graphs.graphs.setdefault(graphs.groups.graph_key(graphs._groups_of(idxs)), "captured")
         return graphs._eager(step, idxs)
 
     monkeypatch.setattr(graphs, "_graph_step", graph_step)
@@ -140,6 +145,22 @@ def test_graph_policy_step_by_step(demo_scene, tmp_path, monkeypatch):
     ]
     assert kinds == expected
     assert graphs.eager_steps == {"first": 1, "timed": 4, "strategy": 3}
+    assert graphs.pool_drops == 0  # no memory budget: the graphs stay (their captures cost time)
+
+
+def test_eager_steps_that_may_reuse_the_graphs_pool_drop_the_graphs(demo_scene, tmp_path, monkeypatch):
+    """Under a memory budget, a refinement, a reset, a timed step or an ARC round runs eagerly
+    without the epoch's graphs: their pool (a whole step's gradients and buffers) is free for it.
+    Worked by hand from the policy above: graphs exist before the timed steps 7, 14 and 28 and the
+    refinements 10 and 20; at the reset 15 and the timed step 21 the step before had already
+    dropped them."""
+    from gstrain.train.graph_step import DROP_GRAPHS_FOR
+
+    assert set(DROP_GRAPHS_FOR) == {"strategy", "timed", "arc_tuning"}  # not "mask": those interleave
+    kinds, graphs = _policy_run(demo_scene, tmp_path, monkeypatch, keep=True, memory_gib=16.0)
+    assert kinds[:10] == ["first", *["graph"] * 6, "timed", "graph", "graph"]  # the same steps as without
+    assert graphs.pool_drops == 5 and graphs.summary()["pool_drops"] == 5
+    assert graphs.graphs == {graphs.groups.graph_key(graphs._groups_of((0,))): "captured"}  # step 29's epoch
 
 
 def test_graph_policy_waits_capture_after_steps_per_epoch(demo_scene, tmp_path, monkeypatch):

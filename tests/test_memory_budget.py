@@ -16,6 +16,7 @@ from gstrain.train.memory_budget import (
     GrowthGate,
     bytes_per_gaussian,
     param_floats,
+    per_gaussian_breakdown,
     plan_budget,
     resident_bytes_per_gaussian,
 )
@@ -29,15 +30,57 @@ def test_param_floats_by_sh_degree() -> None:
 
 
 def test_bytes_per_gaussian_known_answer() -> None:
-    # SH 3: 59 floats x 4 copies = 236, + grad2d and count 2, + 19 step floats = 257 floats = 1028 B,
-    # + 4 pairs x 24 B = 96 B -> 1124
-    assert bytes_per_gaussian(3) == 1124
-    assert bytes_per_gaussian(3, absgrad=True) == 1124 + 8
-    assert bytes_per_gaussian(3, strategy="mcmc") == 1124 - 8
-    # SH 0: 14 x 4 + 2 + 19 = 77 floats = 308 B, + 96
-    assert bytes_per_gaussian(0) == 404
+    # SH 3: 59 floats x 4 copies x 4 B = 944, + grad2d and count 8, + the step's buffers: saved
+    # projection outputs 15 x 4 = 60, their gradients 9 x 4 = 36, backward intermediates 7 x 4 = 28,
+    # + 4 pairs x 24 B = 96 -> 1172
+    assert bytes_per_gaussian(3) == 1172
+    assert bytes_per_gaussian(3, absgrad=True) == 1172 + 8
+    assert bytes_per_gaussian(3, strategy="mcmc") == 1172 - 8
+    # SH 0: 14 x 16 = 224 + 8 + 124 + 96
+    assert bytes_per_gaussian(0) == 452
+    # the CUDA-graph engine's pool holds a second step's gradients (236) and buffers (124) with
+    # pair buffers of 1.5 x 4 pairs x 24 B = 144: 1172 + 504
+    assert bytes_per_gaussian(3, graph_pair_margin=1.5) == 1676
     with pytest.raises(ValueError):
         bytes_per_gaussian(3, strategy="nope")
+
+
+def test_breakdown_rows() -> None:
+    rows = per_gaussian_breakdown(3, graph_pair_margin=1.5)
+    assert rows == {
+        "parameter means": 12, "parameter scales": 12, "parameter quats": 16, "parameter opacities": 4,
+        "parameter sh0": 12, "parameter shN": 180, "gradients": 236, "Adam moments": 472,
+        "strategy statistics": 8, "step: projection outputs": 60, "step: their gradients": 36,
+        "step: backward intermediates": 28, "step: tile pairs": 96,
+        "graph pool: a step's gradients and buffers": 504,
+    }  # fmt: skip
+    assert "graph pool: a step's gradients and buffers" not in per_gaussian_breakdown(3)
+    # measured figures replace the estimates: 2.5 pairs -> 60 B, one step row
+    assert per_gaussian_breakdown(0, step_bytes={"all": 100}, pairs_per_gaussian=2.5)["step: tile pairs"] == 60
+    assert bytes_per_gaussian(0, step_bytes={"all": 100}, pairs_per_gaussian=2.5) == 224 + 8 + 100 + 60
+
+
+def test_graph_engine_plans_its_pool_where_masked_views_keep_it() -> None:
+    from types import SimpleNamespace
+
+    from gstrain.config import build_config
+    from gstrain.train.graph_step import CAPACITY_MARGIN, graphs_planned, held_pool_margin
+    from gstrain.train.memory_budget import budget_gate
+
+    cfg = build_config(overrides=[{"train": {"max_memory_gib": 1.0}}])
+    ours = SimpleNamespace(backend="cuda", options=SimpleNamespace(ellipse_cull=True))
+    assert graphs_planned(cfg, ours, torch.device("cuda"))
+    assert not graphs_planned(cfg, ours, torch.device("cpu"))
+    assert not graphs_planned(cfg, SimpleNamespace(backend="gsplat", options=ours.options), torch.device("cuda"))
+    no_graphs = build_config(overrides=[{"dev": {"cuda_graphs": False}}])
+    assert not graphs_planned(no_graphs, ours, torch.device("cuda"))
+    # the graphs' pool is kept beside eager steps only for masked views (the engine drops it for
+    # refinements, timed steps and ARC rounds)
+    assert held_pool_margin(cfg, ours, torch.device("cuda"), [None, None]) == 0.0
+    assert held_pool_margin(cfg, ours, torch.device("cuda"), [None, object()]) == CAPACITY_MARGIN == 1.5
+    assert held_pool_margin(cfg, ours, torch.device("cpu"), [None, object()]) == 0.0
+    gate = budget_gate(cfg, 0, [(10, 10, 3)], lambda _m: None, graph_pair_margin=CAPACITY_MARGIN)
+    assert gate.budget.per_gaussian == 1676  # the known answer above
 
 
 def test_layout_count_matches_real_tensors() -> None:
@@ -52,7 +95,7 @@ def test_layout_count_matches_real_tensors() -> None:
     tensors = [*params.values(), *(p.grad for p in params.values())]
     tensors += [t for s in optimizer.state.values() for t in s.values()] + stats
     measured = resident_bytes_per_gaussian(tensors, n)
-    assert measured == bytes_per_gaussian(3, step_floats=0, pairs_per_gaussian=0) == (59 * 4 + 2) * 4
+    assert measured == bytes_per_gaussian(3, step_bytes={}, pairs_per_gaussian=0) == (59 * 4 + 2) * 4
 
 
 def test_largest_count_known_answers() -> None:
@@ -65,9 +108,9 @@ def test_largest_count_known_answers() -> None:
     assert budget.fixed_bytes == 104_857_600 + 64_000_000 and budget.max_gaussians == 797_510
     # a batch of 4 views: 256 MB of pixel buffers -> 966367641 - 256000000 = 710367641 -> 710367
     assert plan_budget(1, 1000, 0, 1_000_000, views_per_step=4).max_gaussians == 710_367
-    # 24 GiB at SH 3 with nothing fixed: 0.9 * 24 * 2^30 = 23192823398 B; // 1124 = 20634184
-    # (1124 x 20634184 = 23192822816, 582 B short of the next)
-    assert plan_budget(24, 1124, 0, 0).max_gaussians == 20_634_184
+    # 24 GiB at SH 3 with nothing fixed: 0.9 * 24 * 2^30 = 23192823398 B; // 1172 = 19789098
+    # (1172 x 19789098 = 23192822856, 542 B short of the next)
+    assert plan_budget(24, 1172, 0, 0).max_gaussians == 19_789_098
 
 
 def test_budget_too_small_for_the_fixed_costs() -> None:

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,38 @@ def test_curve_point_in_a_child_process(tiny_scene):
     assert (rec["num_gaussians"], rec["width"], rec["height"], rec["probe"]) == (400, 48, 32, True)
 
 
+def test_a_point_frees_its_trainer_before_it_returns(tiny_scene, monkeypatch):
+    """A measured trainer (on a GPU: its CUDA graphs and their memory pool) is gone once the point's
+    record is made, not left to the interpreter's teardown or to the next in-process point."""
+    from gstrain.train.trainer import Trainer
+
+    made: list[weakref.ref] = []
+    init = Trainer.__init__
+
+    def remembered(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Trainer, "__init__", remembered)
+    spec = {"scene": str(tiny_scene), "pipeline": "gstrain", "factor": 2, "n": 300, "cap_gib": None,
+            "init": "model", "warmup": 1, "steps": 1, "extra": "", "probe": False, "device": "cpu",
+            "sets": []}  # fmt: skip
+    assert big_curve.child_record(spec)["status"] == "ok"
+    assert len(made) == 1 and made[0]() is None
+
+
+def test_a_failed_child_brings_its_stderr_back(tmp_path):
+    spec = {"scene": str(tmp_path / "no_scene"), "pipeline": "gstrain", "factor": 1, "n": 10, "cap_gib": None,
+            "init": "model", "warmup": 1, "steps": 1, "extra": "", "probe": False, "device": "cpu",
+            "sets": []}  # fmt: skip
+    rec = big_curve.run_point(spec)
+    assert rec["status"] == "error" and rec["error"].startswith("exit 1 before writing its record"), rec
+    # the whole traceback, not only its last lines: where the child failed
+    assert "Traceback" in rec["stderr"] and "in measure" in rec["stderr"], rec["stderr"]
+    assert "FileNotFoundError" in rec["stderr"] and "no_scene" in rec["stderr"]
+    assert "stderr" not in big_curve.FIELDS  # the CSV keeps one line per point
+
+
 def test_pipeline_flags_bisection_and_counts():
     sets = big_curve.pipeline_sets(["--backend", "gsplat", "--set", "train.fused_ssim=false"], "cuda")
     assert sets == ["render.backend=gsplat", "train.fused_ssim=false"]
@@ -203,6 +236,13 @@ def test_cuda_scene_matches_the_reference_and_the_cap_ends_in_oom(tmp_path):
             "steps": 3, "extra": "", "probe": False, "device": "cuda",
             "sets": big_curve.pipeline_sets(big_curve.PIPELINES["gstrain"], "cuda")}  # fmt: skip
     ok = big_curve.run_point({**base, "n": 20_000, "cap_gib": 4.0})
-    assert ok["status"] == "ok" and ok["peak_gib"] <= 4.0 and ok["num_gaussians"] == 20_000, ok
+    assert ok["status"] == "ok", _child_failure(ok)
+    assert ok["peak_gib"] <= 4.0 and ok["num_gaussians"] == 20_000, ok
     oom = big_curve.run_point({**base, "n": 5_000_000, "cap_gib": 0.25})
-    assert oom["status"] == "oom", oom
+    assert oom["status"] == "oom", _child_failure(oom)
+
+
+def _child_failure(rec: dict) -> str:
+    """A failed point's record with the child's stderr in full lines, for the assertion message."""
+    shown = {k: v for k, v in rec.items() if k != "stderr"}
+    return f"{shown}\n--- the child's stderr (last {big_curve.STDERR_LINES} lines) ---\n{rec.get('stderr')}"

@@ -53,12 +53,20 @@ from torch import Tensor
 from gstrain.render.isect import PairBudget
 from gstrain.train import corrections, fused_adam
 from gstrain.train.context import StepContext
-from gstrain.train.graph_capacity import PairGroups, canvas_of
+from gstrain.train.graph_capacity import CAPACITY_MARGIN, PairGroups, canvas_of
 from gstrain.train.step import StepResult, StepView
 
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
 MAX_UNSETTLED = 200  # steps between flag checks at most (a redo repeats them)
 CAPTURE_AFTER = 0  # eager steps of a graph's key in an epoch before it is captured
+# Under a memory budget (train.max_memory_gib), eager steps before which the epoch's graphs are
+# dropped: the graphs' pool holds a whole step's gradients and buffers, idle while an eager step
+# allocates its own beside it (the peak of a graph run). A refinement or reset that changes the
+# model ends the epoch anyway (new tensors); one that changes nothing, a timed step (one in
+# dev.time_every) or an ARC round costs the captures after it, a few per cent of the step time,
+# which is why runs without a budget keep their graphs. Masked views keep the graphs: they
+# interleave with graph steps.
+DROP_GRAPHS_FOR = ("strategy", "timed", "arc_tuning")
 
 
 @dataclass
@@ -116,6 +124,8 @@ class GraphEngine:
         self.captures = 0
         self.redos = 0
         self.redone_steps = 0  # replays repeated by redos (the cost of an overflow)
+        self.pool_drops = 0  # epochs ended early for an eager step (DROP_GRAPHS_FOR)
+        self.drop_for = DROP_GRAPHS_FOR if ctx.cfg.train.max_memory_gib > 0 else ()
         self.eager_steps: dict[str, int] = {}  # eager steps by reason (eager_reason)
 
     # ----------------------------------------------------------------- engine
@@ -176,6 +186,9 @@ class GraphEngine:
             reason = "size_not_captured"
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
         self.settle()  # an eager step may read what earlier replays wrote (densification)
+        if self.graphs and reason in self.drop_for:  # their pool may be reused by this step
+            self._new_epoch(None)
+            self.pool_drops += 1
         if self.warm or self.stream is None:
             result = self._eager(step, idxs)
         else:
@@ -357,9 +370,34 @@ class GraphEngine:
     def summary(self) -> dict[str, Any]:
         """For the run record: how the steps ran."""
         return {"captures": self.captures, "graph_steps": self.views, "redos": self.redos,
-                "redone_steps": self.redone_steps, "pair_capacity": self.groups.summary(),
+                "redone_steps": self.redone_steps, "pool_drops": self.pool_drops,
+                "pair_capacity": self.groups.summary(),
                 "canvas": list(self.canvas[:2]) if self.canvas is not None else None,
                 "eager_steps": dict(self.eager_steps)}  # fmt: skip
+
+
+def _graph_set_up(cfg: Any, renderer: Any, device: torch.device) -> bool:
+    """What graphs need of the config and the renderer: our CUDA kernels with the culled
+    intersection, dev.cuda_graphs on."""
+    return (
+        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
+        and renderer.options.ellipse_cull
+    )  # fmt: skip
+
+
+def graphs_planned(cfg: Any, renderer: Any, device: torch.device) -> bool:
+    """graphs_possible as far as it is known before the step runner exists (the memory plan asks
+    it): fused Adam from dev.fused_adam; a per-view correction that rules graphs out
+    (train.pose_refine) not yet attached (a plan then counts a graph pool the run will not hold:
+    the safe side)."""
+    return _graph_set_up(cfg, renderer, device) and bool(cfg.dev.fused_adam)
+
+
+def held_pool_margin(cfg: Any, renderer: Any, device: torch.device, masks: list[Any]) -> float:
+    """memory_budget's graph_pair_margin for a set-up: CAPACITY_MARGIN where graphs run and masked
+    views' eager steps run beside the graphs' pool (DROP_GRAPHS_FOR leaves them out), else 0."""
+    masked = any(m is not None for m in masks)
+    return CAPACITY_MARGIN if masked and graphs_planned(cfg, renderer, device) else 0.0
 
 
 def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) -> bool:
@@ -367,7 +405,6 @@ def graphs_possible(cfg: Any, renderer: Any, runner: Any, device: torch.device) 
     per-view correction that is not graph-safe (corrections.graph_refusers). Any
     train.batch_size: a batch step is captured as one graph of its views."""
     return (
-        bool(cfg.dev.cuda_graphs) and device.type == "cuda" and renderer.backend == "cuda"
-        and renderer.options.ellipse_cull and runner.fused_adam is not None
+        _graph_set_up(cfg, renderer, device) and runner.fused_adam is not None
         and not corrections.graph_refusers(getattr(runner, "corrections", []))
     )  # fmt: skip

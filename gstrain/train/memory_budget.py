@@ -12,9 +12,9 @@ On a GPU the gate also reads the allocator's peak (torch.cuda.max_memory_allocat
 no sync) at refine steps, the only steps it is asked at, and refuses growth that the measured peak
 plus the new Gaussians' bytes would carry over the budget.
 
-The step-buffer constants are estimates from the tensors the render creates (gsplat's projection,
-our rasterizer); issue 37 item 2 measures bytes per Gaussian at the peak and should replace them
-with measured values (bytes_per_gaussian takes them as arguments).
+per_gaussian_breakdown lists the cost per Gaussian by what holds it. Its step-buffer and pair
+constants are counted from the tensors the render creates (gsplat's projection, our rasterizer);
+bench/memory_per_gaussian.py measures the peak per Gaussian on a GPU against them.
 """
 
 from __future__ import annotations
@@ -31,15 +31,25 @@ from gstrain.errors import UserError
 FLOAT = 4  # bytes: every parameter, gradient, moment and statistic is float32 (radii int32)
 # The parameter layout of gstrain.model.init_gaussians, floats per Gaussian (shN by SH degree).
 PARAM_FLOATS_BASE = {"means": 3, "scales": 3, "quats": 4, "opacities": 1, "sh0": 3}
-# Each parameter float is kept four times: the value, its gradient, Adam's exp_avg and exp_avg_sq.
+# Each parameter float is kept four times at the backward's peak: the value, its gradient, Adam's
+# exp_avg and exp_avg_sq.
 COPIES_PER_PARAM = 4
 # The strategy's per-Gaussian state: DefaultStrategy keeps grad2d and count (float32 each);
 # gsplat's MCMC keeps only a fixed binomial table (no per-Gaussian state).
 STRATEGY_FLOATS = {"default": 2, "mcmc": 0}
-# Per-step buffers per Gaussian (estimates): means2d 2 + grad 2, conics 3 + grad 3, depths 1,
-# radii 2 (int32), colours 3 + grad 3. absgrad adds means2d.absgrad (2).
-STEP_FLOATS = 19
-ABSGRAD_FLOATS = 2
+# Per-step buffers per Gaussian, bytes, live at the backward's peak of gstrain's step (gsplat's
+# fully_fused_projection, the fused SH colours, our rasterizer; render/cuda.render_cuda):
+STEP_BYTES = {
+    # saved for the backward: radii 2 int32, means2d 2, depths 1, conics 3, exp(scales) 3,
+    # sigmoid(opacities) 1, colours 3 -> 15 x 4 B
+    "projection outputs": 60,
+    # the rasterizer's backward: means2d 2, conics 3, colours 3, opacities 1 -> 9 x 4 B
+    "their gradients": 36,
+    # before they reach the parameters' .grad: the second means gradient (projection and SH each
+    # give one, added into means.grad), d exp(scales) 3 and d sigmoid 1 -> 7 x 4 B
+    "backward intermediates": 28,
+}
+ABSGRAD_BYTES = 2 * FLOAT  # means2d.absgrad
 # Tile-intersection pairs: an int64 key and an int32 Gaussian id per pair, twice for the sort's
 # double buffer; pairs per Gaussian grow with the Gaussians' screen size (an estimate).
 PAIR_BYTES = 24
@@ -63,20 +73,54 @@ def param_floats(sh_degree: int) -> int:
     return sum(PARAM_FLOATS_BASE.values()) + shn_floats(sh_degree)
 
 
+def per_gaussian_breakdown(
+    sh_degree: int,
+    strategy: str = "default",
+    absgrad: bool = False,
+    step_bytes: dict[str, int] | None = None,
+    pairs_per_gaussian: float = PAIRS_PER_GAUSSIAN,
+    graph_pair_margin: float = 0.0,
+) -> dict[str, int]:
+    """GPU bytes one Gaussian costs at the peak of a step, by what holds them: each parameter
+    tensor, the gradients, Adam's moments, the strategy's statistics, the step's buffers
+    (STEP_BYTES unless given) and its tile pairs.
+
+    graph_pair_margin > 0: the CUDA-graph engine runs the steps and keeps its graphs through some
+    eager steps (train/graph_step.py: those of masked views; its CAPACITY_MARGIN). The graphs' pool
+    holds one step's gradients and buffers, with pair buffers of that margin times the pairs, and
+    such an eager step allocates its own beside it: at that step they are held twice. (Before
+    refinements, timed steps and ARC rounds the engine drops its graphs, so their pool can serve
+    the eager step.)"""
+    if strategy not in STRATEGY_FLOATS:
+        raise ValueError(f"no per-Gaussian state known for strategy {strategy!r}")
+    layout = {**PARAM_FLOATS_BASE, "shN": shn_floats(sh_degree)}
+    rows = {f"parameter {name}": floats * FLOAT for name, floats in layout.items()}
+    params = param_floats(sh_degree) * FLOAT
+    rows["gradients"] = params
+    rows["Adam moments"] = params * (COPIES_PER_PARAM - 2)
+    rows["strategy statistics"] = STRATEGY_FLOATS[strategy] * FLOAT
+    step = dict(STEP_BYTES if step_bytes is None else step_bytes)
+    if absgrad:
+        step["their gradients"] = step.get("their gradients", 0) + ABSGRAD_BYTES
+    rows.update({f"step: {name}": b for name, b in step.items()})
+    rows["step: tile pairs"] = math.ceil(pairs_per_gaussian * PAIR_BYTES)
+    if graph_pair_margin > 0:
+        rows["graph pool: a step's gradients and buffers"] = (
+            params + sum(step.values()) + math.ceil(pairs_per_gaussian * graph_pair_margin * PAIR_BYTES))
+    return rows
+
+
 def bytes_per_gaussian(
     sh_degree: int,
     strategy: str = "default",
     absgrad: bool = False,
-    step_floats: int = STEP_FLOATS,
+    step_bytes: dict[str, int] | None = None,
     pairs_per_gaussian: float = PAIRS_PER_GAUSSIAN,
+    graph_pair_margin: float = 0.0,
 ) -> int:
-    """GPU bytes one Gaussian costs at the peak of a step: parameters with gradients and Adam
-    moments, the strategy's statistics, and the per-step buffers (see the module docstring)."""
-    if strategy not in STRATEGY_FLOATS:
-        raise ValueError(f"no per-Gaussian state known for strategy {strategy!r}")
-    floats = (param_floats(sh_degree) * COPIES_PER_PARAM + STRATEGY_FLOATS[strategy]
-              + step_floats + (ABSGRAD_FLOATS if absgrad else 0))
-    return floats * FLOAT + math.ceil(pairs_per_gaussian * PAIR_BYTES)
+    """GPU bytes one Gaussian costs at the peak of a step: per_gaussian_breakdown's sum."""
+    return sum(per_gaussian_breakdown(sh_degree, strategy, absgrad, step_bytes, pairs_per_gaussian,
+                                      graph_pair_margin).values())
 
 
 def step_pixel_bytes(largest_view_pixels: int, views_per_step: int = 1, pixel_bytes: int = PIXEL_BYTES) -> int:
@@ -129,12 +173,14 @@ def plan_budget(
 
 
 def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int, ...]],
-                log: Callable[[str], None] = print) -> GrowthGate:
+                log: Callable[[str], None] = print, graph_pair_margin: float = 0.0) -> GrowthGate:
     """The run's GrowthGate for train.max_memory_gib (a gate that allows everything at 0).
-    device_image_bytes: the training images kept on the device (data.images_on=gpu)."""
+    device_image_bytes: the training images kept on the device (data.images_on=gpu);
+    graph_pair_margin: per_gaussian_breakdown's (> 0 when the CUDA-graph engine runs the steps)."""
     if cfg.train.max_memory_gib <= 0:
         return GrowthGate(None, log)
-    per = bytes_per_gaussian(cfg.model.sh_degree, cfg.strategy.name, cfg.strategy.absgrad)
+    per = bytes_per_gaussian(cfg.model.sh_degree, cfg.strategy.name, cfg.strategy.absgrad,
+                             graph_pair_margin=graph_pair_margin)
     largest = max((s[0] * s[1] for s in image_shapes), default=0)
     return GrowthGate(plan_budget(cfg.train.max_memory_gib, per, device_image_bytes, largest,
                                   cfg.train.batch_size), log)

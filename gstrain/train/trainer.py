@@ -35,6 +35,7 @@ from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.corrections import corrections_state, engine_note, graph_refusers, saved_correction
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.gaussian_count import check_gaussians_left
+from gstrain.train.graph_step import held_pool_margin
 from gstrain.train.masking import prepare_mask
 from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
@@ -105,7 +106,8 @@ class Trainer(RunReporting):
         params = self._initial_params()
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
         on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
-        self.gate = budget_gate(cfg, on_device, views.shapes(), log)  # train.max_memory_gib
+        pool = held_pool_margin(cfg, self.renderer, device, views.masks)  # graphs' pool beside eager steps
+        self.gate = budget_gate(cfg, on_device, views.shapes(), log, pool)  # train.max_memory_gib
         self.gate.check_start(len(params["means"]))
         strategy_cfg = cfg.strategy
         if strategy_class(cfg.strategy.name).capped:  # its own cap, lowered to what fits (said once)
