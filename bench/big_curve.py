@@ -135,7 +135,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = resolve_device(cfg.train.device)
     if device.type == "cuda" and spec.get("cap_gib"):
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gib"] * 2**30 / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gib"] * 2**30 / total), index)
     apply_threads(cfg.train.threads, device)
     t0 = time.perf_counter()
     said: list[tuple[float, str]] = []  # load_scene's lines with their times: the decode is between two

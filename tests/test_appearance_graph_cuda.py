@@ -38,7 +38,7 @@ def _exposed(scene: Scene) -> Scene:
 def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
     """A graph run and an eager run from the same start, STEPS steps each; every step's exact loss
     (a graph run's settled, so a redone replay's loss counts)."""
-    from gstrain.train import graph_step
+    from gstrain.train import graph_capacity
     from gstrain.train.trainer import seed_everything
 
     runs = {}
@@ -47,8 +47,8 @@ def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
         runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=APPEARANCE)
     assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
     if overflow:  # buffers for a fifth of the most pairs seen: the first replays overflow and are redone
-        monkeypatch.setattr(graph_step, "CAPACITY_ROUND", 64)
-        monkeypatch.setattr(graph_step, "CAPACITY_MARGIN", 0.2)
+        monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
+        monkeypatch.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
     losses: dict[str, list[float]] = {name: [] for name in runs}
     for step in range(STEPS):
         for name, run in runs.items():

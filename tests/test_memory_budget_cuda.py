@@ -44,7 +44,7 @@ def test_growing_run_stays_under_a_24gb_budget(tmp_path: Path) -> None:
     said: list[str] = []
     torch.cuda.empty_cache()  # what earlier tests cached would count against the cap
     torch.cuda.reset_peak_memory_stats(device)
-    torch.cuda.set_per_process_memory_fraction(CARD_BYTES / total, device)
+    torch.cuda.set_per_process_memory_fraction(CARD_BYTES / total, torch.cuda.current_device())
     trainer = None
     try:
         trainer = Trainer(cfg, scene, tmp_path / "run", device, log=said.append)
@@ -53,7 +53,7 @@ def test_growing_run_stays_under_a_24gb_budget(tmp_path: Path) -> None:
         reserved = torch.cuda.max_memory_reserved(device)
         most, limit, per = trainer.record.max_gaussians, trainer.gate.limit, trainer.gate.budget.per_gaussian
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         del trainer  # the later cuda tests of this process get the GPU back
         gc.collect()
         torch.cuda.empty_cache()
