@@ -34,6 +34,7 @@ from torch import Tensor
 from gstrain.data.scene import View
 from gstrain.errors import UserError
 from gstrain.train.corrections import saved_correction
+from gstrain.train.pose_gauge import gauge_basis, without_gauge
 
 _BETAS = (0.9, 0.999)
 _EPS = 1e-15
@@ -78,10 +79,14 @@ class PoseRefiner:
 
     name = STATE_KEY
 
-    def __init__(self, pivots: Tensor, extent: float, cfg: Any, device: torch.device) -> None:
+    def __init__(self, viewmats: Sequence[Tensor], pivots: Tensor, extent: float, cfg: Any,
+                 device: torch.device) -> None:  # fmt: skip
         n_views = len(pivots)
         self.extent = float(extent)
         self.pivots = pivots.to(device)
+        self.viewmats = [torch.as_tensor(m).detach().double().cpu() for m in viewmats]  # as given
+        # the corrections that move every camera by one similarity of the world (train/pose_gauge.py)
+        self.gauge = gauge_basis(self.viewmats, self.pivots, self.extent).to(device)
         self.delta = torch.zeros(n_views, 6, device=device, requires_grad=True)
         self.exp_avg = torch.zeros(n_views, 6, device=device)
         self.exp_avg_sq = torch.zeros(n_views, 6, device=device)
@@ -121,6 +126,8 @@ class PoseRefiner:
             step_size = self.rate(step) / (1 - b1**t)
             denom = (v / (1 - b2**t)).sqrt() + _EPS
             self.delta[rows] -= step_size * m / denom
+            if self.gauge is not None:
+                self.delta.copy_(without_gauge(self.delta, self.gauge))
 
     def rate(self, step: int) -> float:
         """The rate at step `step`: pose_lr at pose_refine_start, pose_lr_final at train.steps."""
@@ -144,6 +151,7 @@ class PoseRefiner:
         self.updates.copy_(state["updates"])
         self.extent = float(state["extent"])
         self.pivots.copy_(state["pivots"])
+        self.gauge = gauge_basis(self.viewmats, self.pivots, self.extent).to(self.delta.device)
 
     def refined(self, views: Sequence[View]) -> list[View]:
         """The training views with their learned poses (no gradients)."""
@@ -180,6 +188,7 @@ def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: fl
     if renderer.backend == "cuda" and renderer.options.fused_sh:
         log("gstrain: train.pose_refine: SH colours through gsplat (the fused SH kernel has no camera gradient)")
         renderer.options = dataclasses.replace(renderer.options, fused_sh=False)
-    refiner = PoseRefiner(pivot_depths([v.viewmat for v in views], points, extent), extent, cfg, device)
+    viewmats = [v.viewmat for v in views]
+    refiner = PoseRefiner(viewmats, pivot_depths(viewmats, points, extent), extent, cfg, device)
     runner.corrections.append(refiner)
     return refiner
