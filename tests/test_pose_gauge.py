@@ -5,11 +5,14 @@ matrix logarithm) are removed by the projection, and what it keeps is orthogonal
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from gstrain.train.pose_gauge import gauge_basis, without_gauge
+from gstrain.train.pose_refine import PoseRefiner
 from tests.test_pose_refine import rodrigues
 
 
@@ -74,3 +77,37 @@ def test_what_the_projection_keeps_is_orthogonal_to_every_similarity():
     # and the part it removed lies in the gauge: projecting again changes nothing
     torch.testing.assert_close(without_gauge(kept, basis), kept, rtol=0, atol=1e-12)
     assert float((delta - kept).norm()) > 0.1  # a random delta has a gauge part to lose
+
+
+def similarity_generators(mats, pivots, extent: float) -> np.ndarray:
+    """[V*6, 7]: the corrections per unit of each similarity generator, by finite differences."""
+    step = 1e-7
+    columns = []
+    for k in range(7):
+        g = np.zeros(7)
+        g[k] = step
+        move = similarity_corrections(mats, pivots, extent, rodrigues(g[:3]), g[3:6], 1 + g[6])
+        columns.append(move.reshape(-1) / step)
+    return np.stack(columns, axis=1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_refiner_step_is_adam_less_its_gauge_part(device):
+    """One update of view 3 with a known gradient: Adam's first step is -lr * sign(gradient) on
+    that row; the refiner keeps it less its least-squares fit by the exact similarity moves."""
+    rng = np.random.default_rng(5)
+    mats, pivots = rig(10, rng)
+    cfg = SimpleNamespace(optim=SimpleNamespace(pose_lr=1e-3, pose_lr_final=1e-4),
+                          train=SimpleNamespace(pose_refine_start=0, steps=100))  # fmt: skip
+    refiner = PoseRefiner([torch.tensor(m) for m in mats], torch.tensor(pivots, dtype=torch.float32), 2.0, cfg,
+                          torch.device(device))  # fmt: skip
+    grad = torch.tensor(rng.normal(size=(10, 6)), dtype=torch.float32)
+    refiner.camera(torch.eye(4, device=device), SimpleNamespace(index=3), 0)  # view 3 is rendered
+    refiner.delta.grad = grad.to(device)
+    refiner.after_step(0)
+    step = np.zeros((10, 6))
+    step[3] = -1e-3 * np.sign(grad[3].numpy())
+    generators = similarity_generators(mats, pivots.astype(np.float32).astype(np.float64), 2.0)
+    fit, *_ = np.linalg.lstsq(generators, step.reshape(-1), rcond=None)
+    expected = step - (generators @ fit).reshape(10, 6)
+    np.testing.assert_allclose(refiner.delta.detach().cpu().double().numpy(), expected, rtol=0, atol=2e-8)

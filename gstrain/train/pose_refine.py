@@ -18,6 +18,13 @@ would keep moving every view on its momentum), with its own step count for the b
 The rate decays exponentially from optim.pose_lr to optim.pose_lr_final between
 train.pose_refine_start and train.steps; before the start the views render as given.
 
+After each update the corrections lose their gauge component (train/pose_gauge.py): the seven
+directions in which every camera moves by one similarity of the world, which the images cannot
+see. Held there, the refined cameras stay in the given poses' frame on average, which is the frame
+the test views are given in; left free they co-rotate with the scene and the test views, rendered
+at their given poses, fall out of register (demo scene, 1 degree / 1% perturbation, 1000 steps:
+test PSNR 22.08 dB free, 26.11 dB held, 21.92 dB without refinement).
+
 Test views get no correction: their poses are not learned, so `gstrain eval` scores them as given.
 """
 
@@ -75,7 +82,8 @@ def pivot_depths(viewmats: Sequence[Tensor], points: Any, extent: float) -> Tens
 
 class PoseRefiner:
     """The training views' pose corrections and their per-view Adam (a ViewCorrection,
-    train/corrections.py)."""
+    train/corrections.py). `gauge` is the basis whose span each step removes (None: the frame is
+    pinned otherwise, as with a frozen scene, and nothing is removed)."""
 
     name = STATE_KEY
 
