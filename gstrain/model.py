@@ -7,7 +7,9 @@ Parameters live in a torch.nn.ParameterDict with the names gsplat's strategies e
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -94,7 +96,10 @@ def init_gaussians(
     # the optimizer's in-place updates would then move them under every later model
     means = torch.tensor(pts, dtype=torch.float32)
     n = means.shape[0]
-    dist = knn_rms_distance(means, k=3)
+    # training on a GPU leaves the CPU's cores idle at start-up: the neighbour search takes them
+    # (1M SfM points: 30 s on one core); CPU training keeps torch's one thread
+    workers = 1 if torch.device(device).type == "cpu" else _idle_cores()
+    dist = knn_rms_distance(means, k=3, workers=workers)
     scales = torch.log(dist * init_scale)[:, None].repeat(1, 3)
     quats = torch.zeros(n, 4)
     quats[:, 0] = 1.0
@@ -111,17 +116,22 @@ def init_gaussians(
     )
 
 
-def knn_rms_distance(points: Tensor, k: int = 3) -> Tensor:
+def _idle_cores() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(16, cores))
+
+
+def knn_rms_distance(points: Tensor, k: int = 3, workers: int = 1) -> Tensor:
     """RMS distance of each point to its k nearest other points, clamped away from zero. [N]."""
     n = points.shape[0]
     kk = min(k, n - 1)
     if kk <= 0:
         return torch.full((n,), LONE_POINT_DIST, dtype=points.dtype, device=points.device)
-    d2 = knn_sq_dists(points, kk)
+    d2 = knn_sq_dists(points, kk, workers)
     return d2.mean(dim=1).clamp_min(MIN_DIST2).sqrt()
 
 
-def knn_sq_dists(points: Tensor, k: int) -> Tensor:
+def knn_sq_dists(points: Tensor, k: int, workers: int = 1) -> Tensor:
     """Exact squared distances to the k nearest other points, ascending, [N, k]; needs N > k.
 
     Exact, CPU-friendly and memory-bounded without a spatial-index dependency: points are
@@ -130,7 +140,8 @@ def knn_sq_dists(points: Tensor, k: int) -> Tensor:
     union box of [q - r_q, q + r_q] can be nearer, so those are the only candidates for
     chunked torch.cdist + topk. Candidates come from a slab of per-axis sorted coordinates
     (binary search) instead of a scan of all N. Distance matrices never exceed _KNN_BUDGET
-    elements. A few seconds for 200k points on one CPU core.
+    elements. A few seconds for 200k points on one CPU core. `workers` threads take interleaved
+    blocks (each block's rows are its own: the result does not depend on the count).
     """
     n = points.shape[0]
     if not 0 < k < n:
@@ -140,43 +151,60 @@ def knn_sq_dists(points: Tensor, k: int) -> Tensor:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _knn_sq_dists(points.detach().to("cpu", torch.float32), k).to(points.device)
+        return _knn_sq_dists(points.detach().to("cpu", torch.float32), k, workers).to(points.device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _knn_sq_dists(pts: Tensor, k: int) -> Tensor:
+def _knn_sq_dists(pts: Tensor, k: int, workers: int = 1) -> Tensor:
     n = pts.shape[0]
     order = torch.argsort(_morton_codes(pts))
     sorted_pts = pts[order]
     axis_vals, axis_order = pts.T.contiguous().sort(dim=1)
     out = torch.empty(n, k)
-    for start in range(0, n, _KNN_BLOCK):
-        q_idx = order[start:start + _KNN_BLOCK]
-        q = sorted_pts[start:start + _KNN_BLOCK]
-        # Upper bound of each query's k-th distance from within the block (inf when too few).
-        if q.shape[0] > k:
-            # Direct differences (not cdist's matmul) so the bound is not below the true value.
-            own = torch.cdist(q, q, compute_mode="donot_use_mm_for_euclid_dist")
-            own.fill_diagonal_(float("inf"))
-            r = own.topk(k, dim=1, largest=False).values[:, -1:] * (1.0 + 1e-5)
-        else:
-            r = torch.full((q.shape[0], 1), float("inf"))
-        # Split a group in halves (still Morton-adjacent) while its box holds many candidates:
-        # a few sparse outliers in a block must not make it search the whole dense core.
-        stack = [(q_idx, q, r)]
-        while stack:
-            gi, gq, gr = stack.pop()
-            lo = (gq - gr).min(dim=0).values
-            hi = (gq + gr).max(dim=0).values
-            c_idx = _box_candidates(pts, axis_vals, axis_order, lo, hi)
-            m = gq.shape[0]
-            if m > 16 and c_idx.shape[0] > 32 * m:
-                h = m // 2
-                stack += [(gi[:h], gq[:h], gr[:h]), (gi[h:], gq[h:], gr[h:])]
-                continue
-            out[gi] = _knn_against(pts, gi, c_idx, k)
+    starts = list(range(0, n, _KNN_BLOCK))
+    workers = max(1, min(int(workers), len(starts)))
+
+    def blocks(first: int) -> None:
+        for start in starts[first::workers]:
+            _knn_block(pts, sorted_pts, order, axis_vals, axis_order, out, start, k)
+
+    if workers == 1:
+        blocks(0)
+    else:  # torch's kernels release the GIL: the blocks' searches overlap
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gstrain-knn") as pool:
+            for done in [pool.submit(blocks, w) for w in range(workers)]:
+                done.result()
     return out
+
+
+def _knn_block(pts: Tensor, sorted_pts: Tensor, order: Tensor, axis_vals: Tensor, axis_order: Tensor,
+               out: Tensor, start: int, k: int) -> None:  # fmt: skip
+    """The k nearest of the Morton block of queries from `start` on, into their rows of `out`."""
+    q_idx = order[start:start + _KNN_BLOCK]
+    q = sorted_pts[start:start + _KNN_BLOCK]
+    # Upper bound of each query's k-th distance from within the block (inf when too few).
+    if q.shape[0] > k:
+        # Direct differences (not cdist's matmul) so the bound is not below the true value.
+        own = torch.cdist(q, q, compute_mode="donot_use_mm_for_euclid_dist")
+        own.fill_diagonal_(float("inf"))
+        r = own.topk(k, dim=1, largest=False).values[:, -1:] * (1.0 + 1e-5)
+    else:
+        r = torch.full((q.shape[0], 1), float("inf"))
+    # Split a group in halves (still Morton-adjacent) while its box holds many candidates:
+    # a few sparse outliers in a block must not make it search the whole dense core.
+    stack = [(q_idx, q, r)]
+    while stack:
+        gi, gq, gr = stack.pop()
+        lo = (gq - gr).min(dim=0).values
+        hi = (gq + gr).max(dim=0).values
+        c_idx = _box_candidates(pts, axis_vals, axis_order, lo, hi)
+        m = gq.shape[0]
+        if m > 16 and c_idx.shape[0] > 32 * m:
+            h = m // 2
+            stack += [(gi[:h], gq[:h], gr[:h]), (gi[h:], gq[h:], gr[h:])]
+            continue
+        out[gi] = _knn_against(pts, gi, c_idx, k)
 
 
 def _box_candidates(pts: Tensor, axis_vals: Tensor, axis_order: Tensor, lo: Tensor, hi: Tensor) -> Tensor:

@@ -119,7 +119,8 @@ def test_graphs_run_with_appearance_and_not_with_pose_refinement():
     runner.corrections = [appearance]
     assert graphs_possible(cfg, renderer, runner, torch.device("cuda"))
     pose_cfg = _cfg({"train": {"pose_refine": True}})
-    runner.corrections = [PoseRefiner([torch.eye(4)] * 3, torch.ones(3), 1.0, pose_cfg, torch.device("cpu")), appearance]
+    refiner = PoseRefiner([torch.eye(4)] * 3, torch.ones(3), 1.0, pose_cfg, torch.device("cpu"))
+    runner.corrections = [refiner, appearance]
     assert not graphs_possible(cfg, renderer, runner, torch.device("cuda"))
     note = engine_note(runner.corrections, "eager")
     assert "train.pose_refine" in note and "appearance" not in note, note

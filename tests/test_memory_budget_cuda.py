@@ -1,7 +1,7 @@
 """train.max_memory_gib on a GPU (issue 37): the allocator capped at a 24 GB card's size
 (torch.cuda.set_per_process_memory_fraction), a run whose densification would grow without end
 (every visible Gaussian above a 1e-12 gradient threshold grows at every refine step) under a
-budget near that cap: no out-of-memory error, one line saying that growth stopped, and the
+budget its growth reaches: no out-of-memory error, one line saying that growth stopped, and the
 allocator's peak under the budget."""
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from gstrain.train.trainer import Trainer
 pytestmark = pytest.mark.cuda
 
 CARD_BYTES = 24 * 10**9  # a "24 GB" consumer card
-BUDGET_GIB = 21.0  # what a user of that card would set: its 22.35 GiB less about a GiB for CUDA itself
+# Under the card's cap, a budget this run's growth must reach: unbudgeted, it grew from 200k to
+# 1.54M Gaussians at a 2.57 GiB peak in 120 steps (H200, 6ac3043), so a 21 GiB budget was never
+# approached and the gate never spoke. (Not yet run with this budget on a GPU.)
+BUDGET_GIB = 1.5
 GIB = 2**30
 
 

@@ -111,15 +111,20 @@ def test_few_points(n):
         assert math.isclose(float(p["scales"].detach()[0, 0]), math.log(math.sqrt(12.5)), rel_tol=1e-6)
 
 
-def test_knn_matches_brute_force_with_outliers():
+@pytest.mark.parametrize("workers", [1, 3])
+def test_knn_matches_brute_force_with_outliers(workers):
+    """Against brute force; with several threads (GPU runs use the idle cores) every row is the
+    one thread's, bit for bit."""
     g = torch.Generator().manual_seed(1)
     core = torch.randn(3000, 3, generator=g) * torch.tensor([5.0, 5.0, 0.05])
     far = torch.randn(200, 3, generator=g) * 100 + 1000  # far from the origin, too
     pts = torch.cat([core, far])
-    got = knn_sq_dists(pts, 3)
+    got = knn_sq_dists(pts, 3, workers=workers)
     d = torch.cdist(pts.double(), pts.double()).fill_diagonal_(float("inf"))
     want = d.topk(3, dim=1, largest=False).values.square()
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-8)
+    if workers > 1:
+        assert torch.equal(got, knn_sq_dists(pts, 3))
 
 
 def test_random_points():
