@@ -6,49 +6,24 @@ B views a step are the batch engine's. The graphs themselves: tests/test_graph_c
 from __future__ import annotations
 
 import torch
+from test_graph_step import _FakeContext
 
-from gstrain.config import StrategyConfig, build_config
+from gstrain.config import build_config
 from gstrain.train import fused_adam
-from gstrain.train.optim import ExponentialDecay
 from gstrain.train.step import StepResult, StepView
-from gstrain.train.strategies.default import DefaultStrategy
-from gstrain.train.timing import PhaseTimer
 
 SIZES = ((60, 80), (64, 70), (50, 90), (60, 80))  # (height, width) of four views: a canvas of 64 x 90
 
 
-class _Context:
+class _Context(_FakeContext):
     """What the graph engine reads of its StepContext, without a renderer: two Adams, a rate
     decay, four views (random images, distinct cameras) and B = `batch`."""
 
     def __init__(self, batch: int, sizes=SIZES, fused_loss: bool = True) -> None:
-        from gstrain.train.context import TrainViews
-
         gen = torch.Generator().manual_seed(0)
-        self.cfg = build_config(overrides=[{"dev": {"fused_ssim": fused_loss}}])
-        self.device = torch.device("cpu")
-        self.batch_size = batch
-        self.params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
-        self.optimizers = {k: torch.optim.Adam([p], lr=0.1) for k, p in self.params.items()}
-        for p in self.params.values():
-            p.grad = torch.ones_like(p)
-        for opt in self.optimizers.values():
-            opt.step()  # step 1: the state exists, as after the first eager step
-        self.scheduler = ExponentialDecay(self.optimizers["a"], 0.5)
-        self.strategy = DefaultStrategy(StrategyConfig(), 1.0, self.device)
-        self.renderer = type("R", (), {"atomic_threshold": 8, "tuner": None})()
-        self.timer = PhaseTimer(self.device, enabled=False)
         images = [torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8) for h, w in sizes]
         cams = [(torch.eye(4) * (i + 1), torch.eye(3) * (i + 2)) for i in range(len(sizes))]
-        self.views = TrainViews(images, cams, [None] * len(sizes))
-        self.watched = False
-        self.corrections: list = []  # per-view corrections (StepContext.corrections): none here
-
-    def sh_degree(self, step: int) -> int:
-        return 0
-
-    def adam_steps(self) -> list[float]:
-        return [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in self.optimizers.values()]
+        super().__init__(images, cams, build_config(overrides=[{"dev": {"fused_ssim": fused_loss}}]), batch)
 
 
 def _engine(ctx):

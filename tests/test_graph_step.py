@@ -14,6 +14,7 @@ from gstrain.render import Renderer
 from gstrain.train import fused_adam
 from gstrain.train.optim import ExponentialDecay
 from gstrain.train.strategies.default import DefaultStrategy
+from gstrain.train.timing import PhaseTimer
 
 
 def _adams(lrs=(0.1, 0.02)):
@@ -181,12 +182,14 @@ def test_graph_policy_waits_capture_after_steps_per_epoch(demo_scene, tmp_path, 
 
 
 class _FakeContext:
-    """What the graph engine's settle reads of its StepContext: two Adams and a position-rate decay."""
+    """What the graph engine's settle reads of its StepContext: two Adams and a position-rate decay
+    (views: one 4x4 image unless given, with (viewmat, K) cameras; B = batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, images: list | None = None, cams: list | None = None, cfg: object = None,
+                 batch: int = 1) -> None:  # fmt: skip
         from gstrain.train.context import TrainViews
 
-        self.cfg = build_config()
+        self.cfg = build_config() if cfg is None else cfg
         self.device = torch.device("cpu")
         self.params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
         self.optimizers = {k: torch.optim.Adam([p], lr=0.1) for k, p in self.params.items()}
@@ -197,10 +200,12 @@ class _FakeContext:
         self.scheduler = ExponentialDecay(self.optimizers["a"], 0.5)
         self.strategy = DefaultStrategy(StrategyConfig(), 1.0, self.device)
         self.renderer = type("R", (), {"atomic_threshold": 8, "tuner": None})()
-        self.views = TrainViews([torch.zeros(4, 4, 3, dtype=torch.uint8)], [], [None])
+        self.timer = PhaseTimer(self.device, enabled=False)
+        images = [torch.zeros(4, 4, 3, dtype=torch.uint8)] if images is None else images
+        self.views = TrainViews(images, [] if cams is None else cams, [None] * len(images))
         self.watched = False
         self.corrections: list = []  # per-view corrections (StepContext.corrections): none here
-        self.batch_size = 1
+        self.batch_size = batch
 
     def sh_degree(self, step: int) -> int:
         return 0
