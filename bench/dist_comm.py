@@ -107,7 +107,7 @@ def scene_beer() -> tuple[AccessProfile, torch.Tensor, str]:
 
 
 def garden_cameras(n_views: int = 160, dense: int = 1) -> Cameras:
-    from gstrain.model import knn_rms_distance
+    from gstrain.knn import knn_rms_distance
 
     d = np.load(DATA / "test_garden.npz")
     pts = torch.from_numpy(d["means3d"]).float()

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from gstrain.errors import UserError
+from gstrain.knn import knn_sq_dists
 from gstrain.model import (
     SH_C0,
     init_gaussians,
-    knn_sq_dists,
     load_ply,
     num_gaussians,
     random_points,
