@@ -17,17 +17,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from gstrain.config import Config
 from gstrain.data.image_store import ResidentStore, TrainImages, build_image_store, decoded
 from gstrain.data.scene import Scene
-from gstrain.data.view_volume import view_volume_points
 from gstrain.errors import UserError
 from gstrain.metrics import psnr
-from gstrain.model import init_gaussians, random_points, save_ply
+from gstrain.model import save_ply
 from gstrain.render import Renderer
 from gstrain.train.appearance import build_corrections
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
@@ -36,6 +34,7 @@ from gstrain.train.corrections import corrections_state, engine_note, graph_refu
 from gstrain.train.engine import StepEngine, build_engine, choose_engine
 from gstrain.train.gaussian_count import check_gaussians_left
 from gstrain.train.graph_step import held_pool_margin
+from gstrain.train.initial_model import initial_params
 from gstrain.train.masking import prepare_mask
 from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
@@ -103,7 +102,7 @@ class Trainer(RunReporting):
         images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
         views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
                            [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
-        params = self._initial_params()
+        params = initial_params(cfg, scene, device, self.log)
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
         on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
         pool = held_pool_margin(cfg, self.renderer, device, views.masks)  # graphs' pool beside eager steps
@@ -177,28 +176,6 @@ class Trainer(RunReporting):
     def graphs(self, engine: Any) -> None:
         self.engine = engine if engine is not None else build_engine("batch" if self.ctx.batch_size > 1 else "eager",
                                                                      self.ctx)  # fmt: skip
-
-    # ----------------------------------------------------------------- setup
-    def _initial_params(self) -> torch.nn.ParameterDict:
-        cfg, scene = self.cfg.model, self.scene
-        points, colors = scene.points, scene.point_colors
-        if cfg.init == "random" or len(points) == 0:
-            if cfg.init != "random" and scene.points_expected:
-                raise UserError(
-                    "the sparse model has no 3D points; pass --set model.init=random to start from random points"
-                )
-            if scene.points_expected:  # a ball around the cameras (unchanged, so runs repeat)
-                centers = np.stack([v.camera_center.numpy() for v in scene.train])
-                points, colors = random_points(
-                    cfg.init_points, centers.mean(axis=0), scene.extent, seed=self.cfg.train.seed
-                )
-            else:  # a format without a point cloud (transforms.json): where the cameras look
-                points, colors = view_volume_points(scene.train, cfg.init_points, scene.extent, self.cfg.train.seed)
-            self.log(f"gstrain: initialising {cfg.init_points} random Gaussians (no SfM points used)")
-        return init_gaussians(
-            points, colors, sh_degree=cfg.sh_degree, init_opacity=cfg.init_opacity,
-            init_scale=cfg.init_scale, device=self.device,
-        )
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
