@@ -179,7 +179,10 @@ def _finish_checkpoint(trainer: Any) -> None:
 
 
 def _report(result: Any, cfg: Any, scene: Path, run_dir: Path, log: Log) -> int:
-    parts = [f"{result.status} at step {result.step} in {result.seconds:.1f}s", f"{result.num_gaussians} Gaussians"]
+    took = f"{result.status} at step {result.step} in {result.seconds:.1f}s"
+    if result.startup_s is not None:  # the command's own start-up, before the first step
+        took += f" (after {result.startup_s:.1f}s of start-up)"
+    parts = [took, f"{result.num_gaussians} Gaussians"]
     if result.initial_test_psnr is not None:
         parts.append(f"test PSNR {result.initial_test_psnr:.2f} -> {result.final_test_psnr or float('nan'):.2f} dB")
     elif result.final_test_psnr is not None:

@@ -22,8 +22,9 @@ def test_process_clock_counts_a_known_sleep():
 def test_fit_records_its_startup_between_launch_and_exit(demo_scene, tmp_path):
     out = tmp_path / "run"
     began = time.monotonic()
-    subprocess.run([sys.executable, "-m", "gstrain", "fit", str(demo_scene), "--out", str(out), "--steps", "3",
-                    "--set", "log.eval_steps=[]"], check=True, capture_output=True)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "gstrain", "fit", str(demo_scene), "--out", str(out), "--steps", "3",
+                           "--set", "log.eval_steps=[]"], check=True, capture_output=True, text=True)  # fmt: skip
     wall = time.monotonic() - began
     startup = json.loads((out / "train_summary.json").read_text())["startup_seconds"]
     assert 0.3 < startup < wall, (startup, wall)  # the imports alone take longer than 0.3 s
+    assert f"(after {startup:.1f}s of start-up)" in proc.stderr + proc.stdout  # the closing line says it

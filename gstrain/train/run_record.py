@@ -31,6 +31,7 @@ class FitResult:
     final_test_psnr: float | None
     checkpoint: Path | None
     final_train_psnr: float | None = None  # on the last progress step's training view
+    startup_s: float | None = None  # the process's start to its first training step (None: not known)
 
 
 @dataclass

@@ -426,7 +426,7 @@ class Trainer(RunReporting):
             status=status, step=self.step, seconds=seconds, num_gaussians=self.gaussian_count(),
             initial_test_psnr=initial["psnr"] if initial else None,
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
-            final_train_psnr=last_psnr if math.isfinite(last_psnr) else None,
+            final_train_psnr=last_psnr if math.isfinite(last_psnr) else None, startup_s=self.record.startup_s,
         )
         if self.lead:
             on_ours = self.renderer.backend == "cuda"  # the atomic mode means something on our kernels only
