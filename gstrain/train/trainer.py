@@ -102,7 +102,7 @@ class Trainer(RunReporting):
         images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
         views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
                            [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
-        params = initial_params(cfg, scene, device, self.log)
+        params = self._initial_params()
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
         on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
         pool = held_pool_margin(cfg, self.renderer, device, views.masks)  # graphs' pool beside eager steps
@@ -176,6 +176,11 @@ class Trainer(RunReporting):
     def graphs(self, engine: Any) -> None:
         self.engine = engine if engine is not None else build_engine("batch" if self.ctx.batch_size > 1 else "eager",
                                                                      self.ctx)  # fmt: skip
+
+    def _initial_params(self) -> torch.nn.ParameterDict:
+        """The model the run starts from (train/initial_model.py); bench scripts that start from
+        a model of their own override it."""
+        return initial_params(self.cfg, self.scene, self.device, self.log)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
