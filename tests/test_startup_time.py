@@ -25,6 +25,10 @@ def test_fit_records_its_startup_between_launch_and_exit(demo_scene, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gstrain", "fit", str(demo_scene), "--out", str(out), "--steps", "3",
                            "--set", "log.eval_steps=[]"], check=True, capture_output=True, text=True)  # fmt: skip
     wall = time.monotonic() - began
-    startup = json.loads((out / "train_summary.json").read_text())["startup_seconds"]
+    summary = json.loads((out / "train_summary.json").read_text())
+    startup, phases = summary["startup_seconds"], summary["startup_phases"]
     assert 0.3 < startup < wall, (startup, wall)  # the imports alone take longer than 0.3 s
+    assert set(phases) == {"images", "initial model", "step-0 evaluation"}, phases
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) < startup, (phases, startup)
+    assert phases["step-0 evaluation"] > 0  # the demo has test views: step 0 scored them
     assert f"(after {startup:.1f}s of start-up)" in proc.stderr + proc.stdout  # the closing line says it

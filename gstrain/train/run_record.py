@@ -55,6 +55,7 @@ class RunRecord:
     pairs_views: int = 0
     graphs: dict[str, int] | None = None  # dev.cuda_graphs: captures, graph steps, redos, capacity
     startup_s: float | None = None  # from the process's start to its first training step (None: not known)
+    startup_phases: dict[str, float] = field(default_factory=dict)  # the trainer's own parts of it, seconds
 
     def add_pairs(self, pairs: tuple[int, int, int] | None) -> None:
         if pairs is not None:
@@ -95,6 +96,10 @@ def write_run_record(
         # the command's start-up: from the process's start (interpreter, imports, scene, model,
         # the step-0 evaluation) to the first training step
         "startup_seconds": None if record.startup_s is None else round(record.startup_s, 2),
+        # of which the trainer's set-up: decoding the images (data.images_on gpu/host), the initial
+        # model (the SfM points' neighbour search), the step-0 evaluation; the rest is the
+        # interpreter, imports, reading the scene and loading the CUDA kernels
+        "startup_phases": {k: round(v, 2) for k, v in record.startup_phases.items()},
         "num_gaussians": result.num_gaussians,
         "max_gaussians": record.max_gaussians,  # set at the start of fit, raised on every change
         "initial_test_psnr": result.initial_test_psnr,

@@ -94,15 +94,19 @@ class Trainer(RunReporting):
         self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
         # Images as uint8 (a quarter of float32), converted per step; where they live between
         # steps is data.images_on's (data/image_store.py): on the device, or fetched a step ahead.
+        began = time.perf_counter()  # start-up phases, for train_summary.json's startup_phases
         self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
                                              per_step=cfg.train.batch_size, device_free=budget_free(cfg, device))
         if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
             scene.test = decoded(scene.test)
+        self.setup_seconds = {"images": time.perf_counter() - began}
         store = self.image_store
         images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
         views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
                            [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
+        began = time.perf_counter()
         params = self._initial_params()
+        self.setup_seconds["initial model"] = time.perf_counter() - began
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
         on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
         pool = held_pool_margin(cfg, self.renderer, device, views.masks)  # graphs' pool beside eager steps
@@ -324,7 +328,9 @@ class Trainer(RunReporting):
         end = cfg.train.stop_at or total
         start_step = self.step
         self.record = RunRecord(first_step=start_step, max_gaussians=self.gaussian_count())
+        began = time.perf_counter()
         initial = self._evaluate(0) if start_step == 0 else None
+        self.record.startup_phases = {**self.setup_seconds, "step-0 evaluation": time.perf_counter() - began}
         eval_steps = set(cfg.log.eval_steps) | {end}
         save_steps = set(cfg.log.save_steps) | {end}
         last_psnr = float("nan")
