@@ -17,6 +17,7 @@ LONE_POINT_DIST = 1.0
 
 _KNN_BLOCK = 512  # queries per block, consecutive along a Morton curve
 _KNN_BUDGET = 1 << 22  # max elements of one distance matrix (32 MiB of float64)
+MORTON_BITS = 21  # per axis: 63-bit codes fit int64
 
 
 def idle_cores() -> int:
@@ -62,7 +63,7 @@ def knn_sq_dists(points: Tensor, k: int, workers: int = 1) -> Tensor:
 
 def _knn_sq_dists(pts: Tensor, k: int, workers: int = 1) -> Tensor:
     n = pts.shape[0]
-    order = torch.argsort(_morton_codes(pts))
+    order = torch.argsort(morton_codes(pts))
     sorted_pts = pts[order]
     axis_vals, axis_order = pts.T.contiguous().sort(dim=1)
     out = torch.empty(n, k)
@@ -142,22 +143,23 @@ def _knn_against(pts: Tensor, q_idx: Tensor, c_idx: Tensor, k: int) -> Tensor:
     return torch.cat(result)
 
 
-def _morton_codes(pts: Tensor) -> Tensor:
-    """48-bit Morton (Z-order) codes of points quantised to a 2^16 grid over their bounds."""
-    lo = pts.min(dim=0).values
-    extent = (pts.max(dim=0).values - lo).max().clamp_min(1e-12)
-    q = ((pts - lo) / extent * 65535.0).clamp(0, 65535).to(torch.int64)
-    code = torch.zeros(pts.shape[0], dtype=torch.int64)
-    for axis in range(3):
-        code |= _spread_bits(q[:, axis]) << axis
-    return code
-
-
-def _spread_bits(x: Tensor) -> Tensor:
-    """Put two zero bits between each of the low 16 bits of x."""
-    x = x & 0xFFFF
-    x = (x | (x << 16)) & 0x0000FF0000FF
-    x = (x | (x << 8)) & 0x00F00F00F00F
-    x = (x | (x << 4)) & 0x0C30C30C30C3
-    x = (x | (x << 2)) & 0x249249249249
+def _spread3(x: Tensor) -> Tensor:
+    """Put two zero bits between each of the low 21 bits of x (int64)."""
+    x = x & 0x1FFFFF
+    x = (x | (x << 32)) & 0x1F00000000FFFF
+    x = (x | (x << 16)) & 0x1F0000FF0000FF
+    x = (x | (x << 8)) & 0x100F00F00F00F00F
+    x = (x | (x << 4)) & 0x10C30C30C30C30C3
+    x = (x | (x << 2)) & 0x1249249249249249
     return x
+
+
+def morton_codes(means: Tensor) -> Tensor:
+    """[N] int64 Z-order codes of the means, quantised to 2^21 cells per axis over their bounding
+    cube (a cube, not a box: the curve's cells stay cubes, so Morton ranges stay compact)."""
+    pts = means.detach().double()
+    lo = pts.min(0).values
+    extent = (pts.max(0).values - lo).max().clamp_min(1e-12)
+    top = float((1 << MORTON_BITS) - 1)
+    q = ((pts - lo) / extent * top).clamp(0, top).long()
+    return _spread3(q[:, 0]) | (_spread3(q[:, 1]) << 1) | (_spread3(q[:, 2]) << 2)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gstrain.choices import PARTITIONS  # views: gstrain/distributed/view_partition.py
+from gstrain.knn import morton_codes
 from gstrain.render.reference import project_gaussians
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "morton_codes", "random_partition", "round_robin_partition", "shard_indices", "view_owner_counts",
 ]  # fmt: skip
 
-MORTON_BITS = 21  # per axis: 63-bit codes fit int64
 
 
 @dataclass
@@ -86,28 +86,6 @@ def access_profile(
             parts.append(torch.nonzero((p.radii > 0).all(-1)).squeeze(1) + s)
         visible.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64))
     return AccessProfile.from_lists(visible, means.shape[0])
-
-
-def _spread3(x: Tensor) -> Tensor:
-    """Put two zero bits between each of the low 21 bits of x (int64)."""
-    x = x & 0x1FFFFF
-    x = (x | (x << 32)) & 0x1F00000000FFFF
-    x = (x | (x << 16)) & 0x1F0000FF0000FF
-    x = (x | (x << 8)) & 0x100F00F00F00F00F
-    x = (x | (x << 4)) & 0x10C30C30C30C30C3
-    x = (x | (x << 2)) & 0x1249249249249249
-    return x
-
-
-def morton_codes(means: Tensor) -> Tensor:
-    """[N] int64 Z-order codes of the means, quantised to 2^21 cells per axis over their bounding
-    cube (a cube, not a box: the curve's cells stay cubes, so Morton ranges stay compact)."""
-    pts = means.detach().double()
-    lo = pts.min(0).values
-    extent = (pts.max(0).values - lo).max().clamp_min(1e-12)
-    top = float((1 << MORTON_BITS) - 1)
-    q = ((pts - lo) / extent * top).clamp(0, top).long()
-    return _spread3(q[:, 0]) | (_spread3(q[:, 1]) << 1) | (_spread3(q[:, 2]) << 2)
 
 
 def locality_partition(means: Tensor, load: Tensor, world: int, count_weight: float = 0.5) -> Tensor:

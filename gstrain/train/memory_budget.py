@@ -110,17 +110,10 @@ def per_gaussian_breakdown(
     return rows
 
 
-def bytes_per_gaussian(
-    sh_degree: int,
-    strategy: str = "default",
-    absgrad: bool = False,
-    step_bytes: dict[str, int] | None = None,
-    pairs_per_gaussian: float = PAIRS_PER_GAUSSIAN,
-    graph_pair_margin: float = 0.0,
-) -> int:
-    """GPU bytes one Gaussian costs at the peak of a step: per_gaussian_breakdown's sum."""
-    return sum(per_gaussian_breakdown(sh_degree, strategy, absgrad, step_bytes, pairs_per_gaussian,
-                                      graph_pair_margin).values())
+def bytes_per_gaussian(sh_degree: int, **breakdown: Any) -> int:
+    """GPU bytes one Gaussian costs at the peak of a step: the sum of per_gaussian_breakdown(sh_degree,
+    **breakdown)."""
+    return sum(per_gaussian_breakdown(sh_degree, **breakdown).values())
 
 
 def step_pixel_bytes(largest_view_pixels: int, views_per_step: int = 1, pixel_bytes: int = PIXEL_BYTES) -> int:
@@ -179,7 +172,7 @@ def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int,
     graph_pair_margin: per_gaussian_breakdown's (> 0 when the CUDA-graph engine runs the steps)."""
     if cfg.train.max_memory_gib <= 0:
         return GrowthGate(None, log)
-    per = bytes_per_gaussian(cfg.model.sh_degree, cfg.strategy.name, cfg.strategy.absgrad,
+    per = bytes_per_gaussian(cfg.model.sh_degree, strategy=cfg.strategy.name, absgrad=cfg.strategy.absgrad,
                              graph_pair_margin=graph_pair_margin)
     largest = max((s[0] * s[1] for s in image_shapes), default=0)
     return GrowthGate(plan_budget(cfg.train.max_memory_gib, per, device_image_bytes, largest,
