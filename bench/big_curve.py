@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from bench.bench_train import PIPELINES
+from gstrain.allocator import configure_allocator
 
 CURVE_FILE, CSV_FILE, LARGEST_FILE, PLOT_FILE = "curve.jsonl", "curve.csv", "largest.json", "curve.png"
 INITS = ("model", "sfm")
@@ -430,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
+        configure_allocator()  # as `gstrain fit` does, before the child's first CUDA allocation
         record = child_record(json.loads(args.child.read_text()))
         args.child.with_suffix(".out.json").write_text(json.dumps(record))
         return

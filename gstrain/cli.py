@@ -18,6 +18,7 @@ try:  # typer >= 0.22 vendors click; older releases use the click package
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
+from gstrain.allocator import configure_allocator
 from gstrain.choices import (
     ATOMIC_MODES,
     BACKENDS,
@@ -322,6 +323,7 @@ def render(
 
 def main() -> None:
     """Console entry point: one line and exit 2 for bad input, whatever layer noticed it."""
+    configure_allocator()  # before anything allocates CUDA memory
     code = _run_app()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         sys.stdout.flush()

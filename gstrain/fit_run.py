@@ -8,6 +8,7 @@ a second Ctrl-C, SIGTERM, a full disk) ends with a line that says what the folde
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
         plan_resume,
     )
     from gstrain.threads import apply_threads
+    from gstrain.train.run_record import seconds_since_process_start
 
     scene = req.scene
     if not scene.exists():
@@ -106,7 +108,11 @@ def run_fit(req: FitRequest, log: Log) -> int:
     if world:  # under torchrun: one process per GPU, each owning a shard (gstrain/distributed)
         _rank, world, dev = init_from_env(dev, cfg.dist.timeout_s, cfg.dist.backend)
     threads = apply_threads(cfg.train.threads, dev, log)
+    # start-up phases before the trainer's own, for train_summary.json's startup_phases
+    phases = {"interpreter, imports and config": seconds_since_process_start() or 0.0}
+    began = time.perf_counter()
     loaded = _load_scene(scene, cfg, log)
+    phases["scene"] = time.perf_counter() - began
     view = loaded.train[0] if loaded.train else loaded.test[0]
     log(
         f"gstrain: {len(loaded.train)} train / {len(loaded.test)} test views at {view.width}x{view.height}, "
@@ -144,6 +150,7 @@ def run_fit(req: FitRequest, log: Log) -> int:
             trainer = DistTrainer(cfg, loaded, run_dir, dev, log=log)
         else:
             trainer = Trainer(cfg, loaded, run_dir, dev, log=log)
+        trainer.setup_seconds = {**phases, **trainer.setup_seconds}
         trainer.watch(live, cfg.viewer.refresh_every if req.viewer else 0)  # rank 0 serves the page
         result = trainer.fit(resume=req.resume, state=plan.state if plan is not None else None)
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from gstrain.data.image_store import (
     TrainImages,
     build_image_store,
     choose_images_on,
+    images_ahead,
     scene_is_lazy,
 )
 from gstrain.data.images import LazyView
@@ -374,3 +375,44 @@ def test_transforms_scene_lazy_and_max_side_equal_eager(tmp_path: Path) -> None:
     small = load_any(scene_dir, max_side=20, lazy=True)
     assert {tuple(v.image.shape) for v in small.train} == {(20, 20, 3)}
     assert len([n for n in small.notes if n.startswith("data.max_side=20: ")]) == 1
+
+
+def test_scoring_pass_reads_streamed_images_in_order(jpg_scene: Path) -> None:
+    """images_ahead (the evaluation's reader) gives each lazy view's own decode, in view order."""
+    eager = load_scene(jpg_scene, factor=2, test_every=0)
+    lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
+    got = list(images_ahead(lazy.train, workers=3))
+    assert len(got) == len(eager.train)
+    for image, view in zip(got, eager.train, strict=True):
+        assert torch.equal(image, view.image)
+
+
+def test_scoring_pass_decodes_a_bounded_distance_ahead() -> None:
+    """While the first image is held back, at most `workers` decodes have started; the rest
+    start only as the pass moves on (a scoring pass never holds every image of a big capture)."""
+    log: list[int] = []
+    gate = threading.Event()
+
+    class Recipe:  # a LazyView's recipe that decodes like LoggedView (logged, view 0 gated)
+        size = (5, 4)
+
+        def __init__(self, index: int) -> None:
+            self.source = LoggedView(index, log, gate if index == 0 else None)
+
+        def pixels(self) -> torch.Tensor:
+            return self.source.image
+
+    recipes = [Recipe(i) for i in range(10)]
+    views = [LazyView(f"v{i}", r, torch.eye(3), torch.eye(4)) for i, r in enumerate(recipes)]  # type: ignore[arg-type]
+    reader = images_ahead(views, workers=3)
+    first = []
+    consumer = threading.Thread(target=lambda: first.append(next(reader)))
+    consumer.start()
+    time.sleep(0.3)  # views 1 and 2 decode; view 0 waits on the gate; nothing else may start
+    assert sorted(log) == [1, 2], log
+    gate.set()
+    consumer.join(5)
+    rest = list(reader)
+    assert [int(v.name[1:]) for v in views] == list(range(10))
+    assert all(torch.equal(a, r.source.pixels) for a, r in zip([*first, *rest], recipes, strict=True))
+    assert sorted(log) == list(range(10))

@@ -20,10 +20,11 @@ its target again for the train PSNR), without a second copy or decode.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NoReturn, Protocol
 
@@ -341,6 +342,25 @@ def build_image_store(
     if where == "host":
         return HostStore(views, device, per_step)
     return DiskStore(views, device, per_step)
+
+
+def images_ahead(views: Sequence[View], workers: int = START_WORKERS) -> Iterator[torch.Tensor]:
+    """Each view's image ([H, W, 3] uint8, CPU), in order; lazy views are decoded up to `workers`
+    views ahead by a thread pool, so a pass that scores streamed views (the step-0 evaluation of a
+    data.images_on=disk run) waits on one decode at a time, not on each. Memory: `workers` images."""
+    if not any(isinstance(v, LazyView) for v in views):
+        yield from (v.image for v in views)
+        return
+    ahead = max(1, min(workers, len(views)))
+    upcoming = iter(views)
+    with ThreadPoolExecutor(max_workers=ahead, thread_name_prefix="gstrain-score") as pool:
+        pending: deque[Future] = deque(pool.submit(lambda v=v: v.image) for v in itertools.islice(upcoming, ahead))
+        while pending:
+            image = pending.popleft().result()
+            following = next(upcoming, None)
+            if following is not None:
+                pending.append(pool.submit(lambda v=following: v.image))
+            yield image
 
 
 def decoded(views: list[View], workers: int = START_WORKERS) -> list[View]:

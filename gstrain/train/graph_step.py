@@ -54,6 +54,7 @@ from gstrain.render.isect import PairBudget
 from gstrain.train import corrections, fused_adam
 from gstrain.train.context import StepContext
 from gstrain.train.graph_capacity import CAPACITY_MARGIN, PairGroups, canvas_of
+from gstrain.train.memory_budget import GIB, cache_crowds_headroom
 from gstrain.train.step import StepResult, StepView
 
 INFLIGHT = 8  # replays the host may run ahead of the GPU (pinned scalar buffers in a ring)
@@ -296,6 +297,8 @@ class GraphEngine:
         timed, t.timer.enabled = t.timer.enabled, False  # (a redo can capture during a timed step)
         for p in t.params.values():
             p.grad = None
+        if cache_crowds_headroom(t.device, int(t.cfg.train.max_memory_gib * GIB)):
+            torch.cuda.empty_cache()  # the capture's allocations get what the eager steps' cache held
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         runner = t.runner

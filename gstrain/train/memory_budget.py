@@ -200,6 +200,23 @@ def budget_free(cfg: Any, device: torch.device) -> int | None:
     return min(int(free), int(cfg.train.max_memory_gib * GIB))
 
 
+def cache_crowds_headroom(device: torch.device, budget_bytes: int = 0) -> bool:
+    """The allocator's cached but unused blocks exceed what is left to allocate: under the device's
+    size, the per-process fraction (torch.cuda.set_per_process_memory_fraction) and `budget_bytes`
+    (train.max_memory_gib; 0 none). A graph capture cannot release cached blocks when it runs out,
+    as an eager allocation does, so the graph engine empties the cache first (host counters and
+    one driver query; no stream sync)."""
+    if device.type != "cuda":
+        return False
+    free, total = torch.cuda.mem_get_info(device)
+    limit = total * torch.cuda.get_per_process_memory_fraction(device)
+    if budget_bytes > 0:
+        limit = min(limit, budget_bytes)
+    reserved = torch.cuda.memory_reserved(device)
+    idle = reserved - torch.cuda.memory_allocated(device)
+    return idle > min(limit - reserved, free)
+
+
 def measured_peak(device: torch.device) -> int | None:
     """The allocator's peak on a CUDA device (a host counter, no sync); None on the CPU."""
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None

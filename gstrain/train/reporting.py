@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gstrain.data.image_store import images_ahead
 from gstrain.data.scene import View
 from gstrain.metrics import Metrics, metric_target
 from gstrain.render.sh import sh_degree_at
@@ -130,9 +131,9 @@ class RunReporting:
         if not views:
             return None
         metrics, fitted = Metrics(self.device, lpips=False), Metrics(self.device, lpips=False)
-        for view in views:
+        for view, target in zip(views, images_ahead(views), strict=True):
             # masks: kept pixels only (ignore) or against the composited target (background)
-            gt, keep = metric_target(view.image.to(self.device).float() / 255.0, view.mask,
+            gt, keep = metric_target(target.to(self.device).float() / 255.0, view.mask,
                                      self.cfg.data.mask_mode, self.background)  # fmt: skip
             image = self.render_view(view)
             metrics.add(image, gt, keep)

@@ -89,17 +89,19 @@ class Trainer(RunReporting):
         self.run_dir = run_dir
         self.device = device
         self.log = log
+        began = time.perf_counter()  # start-up phases, for train_summary.json's startup_phases
         self.background = torch.tensor(cfg.data.background, dtype=torch.float32, device=device)
         self.renderer = Renderer(cfg.render, device, absgrad=cfg.strategy.absgrad, dev=cfg.dev)
         self.renderer.set_training_views(scene.train)  # render.filter_3d's sampling rates
+        self.setup_seconds = {"renderer (CUDA context, kernels)": time.perf_counter() - began}
         # Images as uint8 (a quarter of float32), converted per step; where they live between
         # steps is data.images_on's (data/image_store.py): on the device, or fetched a step ahead.
-        began = time.perf_counter()  # start-up phases, for train_summary.json's startup_phases
+        began = time.perf_counter()
         self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
                                              per_step=cfg.train.batch_size, device_free=budget_free(cfg, device))
         if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
             scene.test = decoded(scene.test)
-        self.setup_seconds = {"images": time.perf_counter() - began}
+        self.setup_seconds["images"] = time.perf_counter() - began
         store = self.image_store
         images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
         views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
@@ -338,6 +340,9 @@ class Trainer(RunReporting):
         t_start = time.perf_counter()
         if start_step < end:
             self.record.startup_s = seconds_since_process_start()
+            if self.record.startup_s is not None:  # what no phase above accounts for
+                known = sum(self.record.startup_phases.values())
+                self.record.startup_phases["other"] = max(self.record.startup_s - known, 0.0)
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not self.lead)
         with _StopFlag(abort_on_second=self.signal_every_step) as signals:
             while self.step < end:
