@@ -49,6 +49,7 @@ def test_cache_check_sees_idle_blocks_that_crowd_a_cap() -> None:
         assert not cache_crowds_headroom(device)  # allocated, not idle
         del block  # 2 GiB idle in the cache, 1 GiB left to allocate
         assert cache_crowds_headroom(device)
+        assert cache_crowds_headroom(torch.device("cuda"))  # as the trainer names it: no index
         torch.cuda.empty_cache()
         assert not cache_crowds_headroom(device)
     finally:

@@ -208,6 +208,8 @@ def cache_crowds_headroom(device: torch.device, budget_bytes: int = 0) -> bool:
     one driver query; no stream sync)."""
     if device.type != "cuda":
         return False
+    if device.index is None:  # the trainer's "cuda": the per-process queries want an index
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     limit = total * torch.cuda.get_per_process_memory_fraction(device)
     if budget_bytes > 0:
