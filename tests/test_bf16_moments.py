@@ -19,7 +19,13 @@ from gsplat.strategy.ops import duplicate
 from gstrain.config import OptimConfig, build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train import bf16_moments as bm
-from gstrain.train.memory_budget import bytes_per_gaussian, per_gaussian_breakdown
+from gstrain.train.memory_budget import (
+    PIXEL_BYTES,
+    USABLE_SHARE,
+    budget_gate,
+    bytes_per_gaussian,
+    per_gaussian_breakdown,
+)
 from gstrain.train.optim import build_optimizers
 from gstrain.train.trainer import Trainer
 
@@ -176,6 +182,15 @@ def test_moments_take_half_the_bytes_and_the_budget_counts_them():
     assert per_gaussian_breakdown(3)["Adam moments"] == 472
     assert per_gaussian_breakdown(3, moments="bf16")["Adam moments"] == 236
     assert bytes_per_gaussian(3) - bytes_per_gaussian(3, moments="bf16") == 236
+    # train.max_memory_gib's cap follows: the same budget holds more Gaussians
+    limits = {}
+    for mode in ("fp32", "bf16"):
+        cfg = build_config(overrides=[{"train": {"max_memory_gib": 2.0}, "optim": {"moments": mode}}])
+        gate = budget_gate(cfg, 0, [(64, 64, 3)], lambda _m: None)
+        limits[mode] = (gate.limit, gate.budget.per_gaussian)
+    assert limits["fp32"][1] - limits["bf16"][1] == 236
+    usable = int(2.0 * 2**30 * USABLE_SHARE) - 64 * 64 * PIXEL_BYTES
+    assert limits == {m: (usable // per, per) for m, (_, per) in limits.items()}
 
 
 def test_gsplat_ops_promote_and_keep_dtype_casts_back_exactly():
@@ -295,3 +310,26 @@ def test_bad_values_are_one_line(demo_scene, tmp_path):
                          "--set", "optim.sparse_adam=true")  # fmt: skip
     assert_one_error(code, err, "optim.moments=bf16 needs optim.sparse_adam=false")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_fused_adam_sends_bf16_tensors_off_its_kernel_to_the_torch_op_step():
+    """A tensor FusedAdam cannot take (here: on the CPU) with bfloat16 moments takes
+    bf16_moments.adam_step, never torch's Adam (which cannot step bfloat16 state)."""
+    from gstrain.train.fused_adam import FusedAdam
+
+    fused = FusedAdam.__new__(FusedAdam)  # no extension: nothing here reaches the kernel
+    fused.ext = None
+    a, b = _random_model(6), _random_model(6)
+    opts_a = build_optimizers(a, OptimConfig(moments="bf16"), 1.0)
+    opts_b = build_optimizers(b, OptimConfig(moments="bf16"), 1.0)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for k in a:
+            a[k].grad = torch.randn(a[k].shape, generator=gen)
+            b[k].grad = a[k].grad.clone()
+        fused.step(opts_a)
+        bm.adam_step(opts_b)
+    for k in a:
+        assert torch.equal(a[k], b[k]) and a[k].grad is None, k
+        for key in bm.MOMENT_KEYS:
+            assert torch.equal(opts_a[k].state[a[k]][key], opts_b[k].state[b[k]][key]), (k, key)
