@@ -333,3 +333,19 @@ def test_fused_adam_sends_bf16_tensors_off_its_kernel_to_the_torch_op_step():
         assert torch.equal(a[k], b[k]) and a[k].grad is None, k
         for key in bm.MOMENT_KEYS:
             assert torch.equal(opts_a[k].state[a[k]][key], opts_b[k].state[b[k]][key]), (k, key)
+
+
+def test_graph_scalars_hold_the_step_counts_after_the_pairs():
+    """A graph step's device scalars: advance()'s pairs, then step_counts() (the counts the
+    kernel's rounding hash reads in a replay), here after two counted steps."""
+    from gstrain.train import fused_adam
+
+    params = _random_model(7)
+    opts = build_optimizers(params, OptimConfig(moments="bf16"), 1.0)
+    fused_adam.advance(opts)
+    pairs = fused_adam.advance(opts)
+    counts = fused_adam.step_counts(opts)
+    assert len(pairs) + len(counts) == fused_adam.graph_scalars(len(opts)) == 9
+    assert counts == [2.0, 2.0, 2.0]
+    # means first: rate means_lr x extent 1, torch's bias corrections at step 2
+    assert pairs[:2] == pytest.approx([1.6e-4 / (1 - 0.9**2), 1 / math.sqrt(1 - 0.999**2)], rel=1e-12)

@@ -115,6 +115,18 @@ def _name_of(opt: torch.optim.Optimizer) -> str:
     return str(opt.param_groups[0].get("name", ""))
 
 
+def host_step(state: dict) -> Tensor:
+    """The state's step as a CPU tensor (a checkpoint of torch's fused Adam has it on the GPU), so
+    that counting it and reading it never syncs with the device."""
+    step = state["step"]
+    if not torch.is_tensor(step):
+        step = torch.tensor(float(step), dtype=torch.float32)
+    elif step.device.type != "cpu":
+        step = step.detach().to("cpu", torch.float32)  # once, after a resume
+    state["step"] = step
+    return step
+
+
 def adam_step(optimizers: dict[str, torch.optim.Optimizer]) -> None:
     """One Adam step of every optimizer whose parameter has a gradient, with bfloat16 moments
     (fp32 math, stochastic rounding on store); then grads are set to None. Equal to
@@ -128,7 +140,7 @@ def adam_step(optimizers: dict[str, torch.optim.Optimizer]) -> None:
         state = opt.state[p]
         if len(state) == 0:
             init_state(state, p, torch.bfloat16)
-        step_t = state["step"]
+        step_t = host_step(state)
         step_t += 1
         step = int(step_t)
         beta1, beta2 = group["betas"]

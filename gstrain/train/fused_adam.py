@@ -34,6 +34,7 @@ from torch import Tensor
 
 from gstrain import extensions
 from gstrain.train import bf16_moments
+from gstrain.train.bf16_moments import host_step
 
 _UNSUPPORTED_OPTIONS = (("weight_decay", 0), ("amsgrad", False), ("maximize", False))
 
@@ -43,17 +44,6 @@ def _supported(opt: torch.optim.Optimizer) -> bool:
         return False
     group = opt.param_groups[0]
     return all(group.get(key, default) == default for key, default in _UNSUPPORTED_OPTIONS)
-
-
-def _host_step(state: dict) -> Tensor:
-    """The state's step as a CPU tensor (a checkpoint of torch's fused Adam has it on the GPU)."""
-    step = state["step"]
-    if not torch.is_tensor(step):
-        step = torch.tensor(float(step), dtype=torch.float32)
-    elif step.device.type != "cpu":
-        step = step.detach().to("cpu", torch.float32)  # once, after a resume
-    state["step"] = step
-    return step
 
 
 def graph_scalars(count: int) -> int:
@@ -113,7 +103,7 @@ class FusedAdam:
             state = opt.state[p]
             if len(state) == 0:
                 bf16_moments.init_state(state, p, torch.float32)
-            step_t = _host_step(state)
+            step_t = host_step(state)
             if scalars is None:
                 step_t += 1
             step = float(step_t) if scalars is None else 1.0  # a graph reads the device scalars
@@ -146,7 +136,7 @@ def advance(optimizers: dict[str, torch.optim.Optimizer]) -> list[float]:
     for opt in graph_order(optimizers):
         group = opt.param_groups[0]
         beta1, beta2 = group["betas"]
-        step_t = _host_step(opt.state[group["params"][0]])
+        step_t = host_step(opt.state[group["params"][0]])
         step_t += 1
         step = float(step_t)
         out += [group["lr"] / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step)]
@@ -155,10 +145,10 @@ def advance(optimizers: dict[str, torch.optim.Optimizer]) -> list[float]:
 
 def step_counts(optimizers: dict[str, torch.optim.Optimizer]) -> list[float]:
     """Each optimizer's Adam step count, in graph_order (after advance(): this step's)."""
-    return [float(_host_step(opt.state[opt.param_groups[0]["params"][0]])) for opt in graph_order(optimizers)]
+    return [float(host_step(opt.state[opt.param_groups[0]["params"][0]])) for opt in graph_order(optimizers)]
 
 
 def rewind(optimizers: dict[str, torch.optim.Optimizer], steps: int) -> None:
     """Take back `steps` of advance()'s counts (replays whose update was skipped)."""
     for opt in graph_order(optimizers):
-        _host_step(opt.state[opt.param_groups[0]["params"][0]]).sub_(steps)
+        host_step(opt.state[opt.param_groups[0]["params"][0]]).sub_(steps)
