@@ -219,9 +219,13 @@ def restore_dtype(optimizers: dict[str, torch.optim.Optimizer], saved: torch.dty
                   log: Callable[[str], None]) -> None:  # fmt: skip
     """After Optimizer.load_state_dict (which casts the moments to the parameters' float32): the
     moments back in optim.moments' dtype. A checkpoint written in the other mode is converted,
-    said in one line (float32 to bfloat16 rounds to nearest; bfloat16 to float32 is exact)."""
+    said in one line (float32 to bfloat16 rounds to nearest; bfloat16 to float32 is exact). With
+    bfloat16 every optimizer has its state, as build_optimizers makes it (a float32 checkpoint has
+    none for a tensor that had no gradient yet)."""
     want = moments_dtype(mode)
     if saved is not None and saved != want:
         have = "bf16" if saved == torch.bfloat16 else "fp32"
         log(f"gstrain: the checkpoint's Adam moments are {have}; converted to optim.moments={mode}")
     keep_dtype(optimizers, want)
+    if want != torch.float32:
+        init_optimizer_state(optimizers, want)
