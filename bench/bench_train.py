@@ -60,6 +60,9 @@ PIPELINES = {
     "torch-adam": ["--set", "dev.fused_adam=false"],
     "gsplat-stats": ["--set", "dev.fast_stats=false"],
     "sparse-adam": ["--set", "optim.sparse_adam=true"],
+    # one switch on: Adam's moments in bfloat16 with stochastic rounding (issue 37's fewer bytes per
+    # Gaussian; its paired quality study against gstrain)
+    "bf16-moments": ["--atomic-mode", "arc", "--set", "optim.moments=bf16"],
     "no-cull": ["--set", "dev.ellipse_cull=false"],
     "issue19-off": ["--atomic-mode", "arc", "--set", "dev.ellipse_cull=false", "--set", "dev.cuda_graphs=false",
                     "--set", "dev.fused_sh=false"],

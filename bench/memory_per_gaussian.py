@@ -3,6 +3,7 @@ pipeline, measured and counted.
 
     python -m bench.memory_per_gaussian SCENE --n 0.5M,1M,2M,4M [--pipelines gstrain,baseline]
         [--factor 1] [--warmup 100] [--steps 20] [--out DIR] [--device cuda] [--in-process]
+        [--extra "--set optim.moments=bf16"]
     python -m bench.memory_per_gaussian --report DIR     (the tables again from DIR/curve.jsonl)
 
 SCENE is a bench/big_scene.py folder. Every (pipeline, N) is one point of bench/big_curve.py (a
@@ -25,7 +26,8 @@ after the steps (parameters, gradients, Adam moments, statistics) and the tile p
 
 The analytic breakdown (memory_budget.per_gaussian_breakdown, at the scene's SH degree, pairs per
 Gaussian as measured where known): parameters by tensor, gradients, Adam moments, statistics, the
-step's buffers, pairs; for the baseline gsplat's SH path (baseline_extra_bytes) on top. Both also as reserved memory
+step's buffers, pairs; for the baseline gsplat's SH path (baseline_extra_bytes) on top; Adam's
+moments in the dtype the pipeline's flags and --extra set (optim.moments). Both also as reserved memory
 (max_memory_reserved: with the cache and the graphs' pools). Writes DIR/memory_per_gaussian.json and
 DIR/memory_per_gaussian.md (the markdown tables, also printed).
 """
@@ -39,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_train import PIPELINES
-from bench.big_curve import Curve, load_records, parse_count
+from bench.big_curve import Curve, load_records, parse_count, pipeline_sets
+from gstrain.config import OptimConfig
 from gstrain.files import write_text_atomic
 from gstrain.train.memory_budget import (
     FLOAT,
@@ -73,15 +76,26 @@ def baseline_extra_bytes(sh_degree: int) -> dict[str, int]:
     }
 
 
-def analytic(pipeline: str, sh_degree: int, pairs: float | None) -> dict[str, int]:
-    """The breakdown per Gaussian of `pipeline` (see the module docstring). No graph-pool row: the
-    city has no masks, and for every other eager step the graph engine drops its graphs first
-    (graph_step.DROP_GRAPHS_FOR)."""
+def moments_mode(pipeline: str, extra: str = "") -> str:
+    """optim.moments as `pipeline`'s flags and then `extra` (fit flags) set it (the last wins)."""
+    mode = OptimConfig().moments
+    for item in pipeline_sets(PIPELINES.get(pipeline, []) + extra.split(), "cpu"):
+        key, _, value = item.partition("=")
+        if key == "optim.moments":
+            mode = value
+    return mode
+
+
+def analytic(pipeline: str, sh_degree: int, pairs: float | None, extra: str = "") -> dict[str, int]:
+    """The breakdown per Gaussian of `pipeline` (see the module docstring), with `extra` fit flags.
+    No graph-pool row: the city has no masks, and for every other eager step the graph engine drops
+    its graphs first (graph_step.DROP_GRAPHS_FOR)."""
     step = dict(STEP_BYTES)
     if pipeline == "baseline":
         step.update(baseline_extra_bytes(sh_degree))
     return per_gaussian_breakdown(sh_degree, "default", step_bytes=step,
-                                  pairs_per_gaussian=PAIRS_PER_GAUSSIAN if pairs is None else pairs)  # fmt: skip
+                                  pairs_per_gaussian=PAIRS_PER_GAUSSIAN if pairs is None else pairs,
+                                  moments=moments_mode(pipeline, extra))  # fmt: skip
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
@@ -120,7 +134,8 @@ def summarize(records: list[dict[str, Any]], sh_degree: int) -> dict[str, Any]:
             measured = [p for p in points if p[of] is not None]
             lines[key] = fit_line([p["n"] for p in measured], [p[of] for p in measured])
         pairs = [p["pairs_per_gaussian"] for p in points if p["pairs_per_gaussian"] is not None]
-        rows = analytic(pipeline, sh_degree, pairs[-1] if pairs else None)
+        extra = next((r.get("extra") or "" for r in records if r["pipeline"] == pipeline), "")
+        rows = analytic(pipeline, sh_degree, pairs[-1] if pairs else None, extra)
         out[pipeline] = {
             "points": points, "failed": [{"n": r["n"], "status": r["status"], "error": r.get("error")}
                                          for r in records if r["pipeline"] == pipeline and r["status"] != "ok"],
@@ -195,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "memory_per_gaussian")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per point")
     ap.add_argument("--in-process", action="store_true", help="run the points here (no OOM isolation)")
+    ap.add_argument("--extra", default="", help='more fit flags for every point, e.g. "--set optim.moments=bf16"')
     ap.add_argument("--report", type=Path, default=None, metavar="DIR", help="only the tables from DIR/curve.jsonl")
     args = ap.parse_args(argv)
     if args.report is not None:
@@ -212,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     curve = Curve(argparse.Namespace(
         scene=args.scene, out=args.out, warmup=args.warmup, steps=args.steps, probe_warmup=args.warmup,
         probe_steps=args.steps, cap_gib=None, init="model", device=args.device, timeout=args.timeout,
-        in_process=args.in_process, extra=f"--set model.sh_degree={args.sh_degree} {FULL_DEGREE}"))  # fmt: skip
+        in_process=args.in_process,
+        extra=f"--set model.sh_degree={args.sh_degree} {FULL_DEGREE} {args.extra}".strip()))  # fmt: skip
     for n in (parse_count(x) for x in args.n.split(",") if x.strip()):
         for pipeline in pipelines:
             curve.point(pipeline, args.factor, n)

@@ -15,6 +15,7 @@ from gstrain.choices import (
     IMAGES_ON,
     INIT_MODES,
     MASK_MODES,
+    MOMENTS,
     PARTITIONS,
 )
 from gstrain.errors import UserError
@@ -47,6 +48,10 @@ def validate(cfg: Config) -> Config:
     if cfg.train.appearance_lr <= 0 or cfg.train.appearance_decay < 0 or cfg.train.appearance_start < 0:
         raise UserError("train.appearance_lr must be > 0, train.appearance_decay and train.appearance_start >= 0; "
                         f"got {cfg.train.appearance_lr}, {cfg.train.appearance_decay}, {cfg.train.appearance_start}")
+    choice(cfg.optim.moments, MOMENTS, "optim.moments")
+    if cfg.optim.moments != "fp32" and cfg.optim.sparse_adam:
+        # the visible-only update is fused Adam's float32 path only
+        raise UserError(f"optim.moments={cfg.optim.moments} needs optim.sparse_adam=false")
     choice(cfg.dist.partition, PARTITIONS, "dist.partition")
     choice(cfg.dist.compress, COMPRESSIONS, "dist.compress")
     choice(cfg.dist.backend, DIST_BACKENDS, "dist.backend")

@@ -74,3 +74,20 @@ def test_cpu_dry_run_counts_the_tensors_held(small_scene, tmp_path, capsys):
     assert text in capsys.readouterr().out and "| parameter shN | 180 | 180 |" in text
     mpg.main(["--report", str(out)])  # the tables again from the records, nothing trains
     assert (out / mpg.MD_FILE).read_text() == text
+
+
+def test_cpu_dry_run_with_bf16_moments(small_scene, tmp_path):
+    """--extra "--set optim.moments=bf16" reaches every point (big_curve's --extra), as does
+    bench_train's bf16-moments pipeline, and the analytic rows: the moments take 2 bytes a float
+    instead of 4."""
+    for pipeline, extra in (("gstrain", ["--extra", "--set optim.moments=bf16"]), ("bf16-moments", [])):
+        out = tmp_path / pipeline
+        mpg.main([str(small_scene), "--n", "200", "--warmup", "2", "--steps", "1", "--device", "cpu",
+                  "--in-process", "--pipelines", pipeline, "--out", str(out), *extra])  # fmt: skip
+        summary = json.loads((out / mpg.JSON_FILE).read_text())["pipelines"][pipeline]
+        # 59 parameter floats (4 B), two bfloat16 moments of each (2 B), grad2d and count: 236 + 236 + 8
+        assert [p["resident_per_gaussian"] for p in summary["points"]] == [480.0], pipeline
+        assert summary["analytic"]["Adam moments"] == 236, pipeline
+    assert mpg.analytic("gstrain", 3, None)["Adam moments"] == 472
+    assert mpg.analytic("bf16-moments", 3, None)["Adam moments"] == 236
+    assert mpg.moments_mode("bf16-moments", "--set optim.moments=fp32") == "fp32"  # the last word wins

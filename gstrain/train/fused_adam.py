@@ -17,6 +17,12 @@ In a CUDA graph the kernel's arguments are frozen, so a graph step passes `scala
 tensor the host refills before each replay with advance()'s values (the same step sizes and bias
 corrections), and `skip`, a device flag that turns the launch into a no-op (an overflowed
 intersection, see render/isect.py). rewind() takes back advance()'s steps of skipped replays.
+
+optim.moments=bf16 (train/bf16_moments.py): a tensor whose moments are bfloat16 is updated in
+float32 and its moments stored with the same stochastic rounding as bf16_moments.adam_step, whose
+hash needs the Adam step count: the host passes it, and a graph step reads it from `scalars` after
+the pairs (graph_scalars(): pairs, then one count per tensor). Tensors off the fused path take
+bf16_moments.adam_step, as float32 ones take torch's.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 from torch import Tensor
 
 from gstrain import extensions
+from gstrain.train import bf16_moments
+from gstrain.train.bf16_moments import host_step
 
 _UNSUPPORTED_OPTIONS = (("weight_decay", 0), ("amsgrad", False), ("maximize", False))
 
@@ -38,15 +46,10 @@ def _supported(opt: torch.optim.Optimizer) -> bool:
     return all(group.get(key, default) == default for key, default in _UNSUPPORTED_OPTIONS)
 
 
-def _host_step(state: dict) -> Tensor:
-    """The state's step as a CPU tensor (a checkpoint of torch's fused Adam has it on the GPU)."""
-    step = state["step"]
-    if not torch.is_tensor(step):
-        step = torch.tensor(float(step), dtype=torch.float32)
-    elif step.device.type != "cpu":
-        step = step.detach().to("cpu", torch.float32)  # once, after a resume
-    state["step"] = step
-    return step
+def graph_scalars(count: int) -> int:
+    """Device scalars a graph step's FusedAdam reads for `count` tensors: a (step size,
+    1/sqrt(bc2)) pair each, then each one's step count (bfloat16 moments' rounding hash)."""
+    return 3 * count
 
 
 class FusedAdam:
@@ -62,6 +65,8 @@ class FusedAdam:
         With `scalars` (a graph step) the step counts are not advanced here: advance() does it on
         the host before each replay and fills `scalars`, in graph_order()'s order."""
         params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2 = [], [], [], [], [], []
+        steps: list[float] = []  # the step counts (bfloat16 moments' rounding hash)
+        salts: list[int] = []  # per tensor: exp_avg's, exp_avg_sq's
         beta1 = beta2 = eps = None
         for opt in optimizers.values():
             group = opt.param_groups[0]
@@ -80,6 +85,10 @@ class FusedAdam:
             )  # fmt: skip
             if not eligible and scalars is not None:
                 raise ValueError(f"{group.get('name', '?')}: a graph step needs every tensor on the fused path")
+            bf16 = p in opt.state and opt.state[p].get("exp_avg", p).dtype == torch.bfloat16
+            if not eligible and bf16:
+                bf16_moments.adam_step({"": opt})  # torch's Adam cannot step bfloat16 moments
+                continue
             if not eligible:
                 # anything unusual takes torch's own path; its fused kernel wants `step` on the
                 # parameter's device, where FusedAdam keeps it on the host
@@ -93,10 +102,8 @@ class FusedAdam:
             eps = group["eps"]
             state = opt.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            step_t = _host_step(state)
+                bf16_moments.init_state(state, p, torch.float32)
+            step_t = host_step(state)
             if scalars is None:
                 step_t += 1
             step = float(step_t) if scalars is None else 1.0  # a graph reads the device scalars
@@ -106,10 +113,14 @@ class FusedAdam:
             exp_avg_sqs.append(state["exp_avg_sq"])
             step_sizes.append(group["lr"] / (1.0 - beta1**step))
             inv_bc2.append(1.0 / math.sqrt(1.0 - beta2**step))
+            steps.append(step)
+            name = str(group.get("name", ""))
+            salts += [bf16_moments.moment_salt(name, key) for key in bf16_moments.MOMENT_KEYS]
             p.grad = None
         if params:
             self.ext.adam_step(params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2,
-                               float(beta1), float(beta2), float(eps), visible, scalars, skip)  # fmt: skip
+                               float(beta1), float(beta2), float(eps), visible, scalars, skip,
+                               steps, salts)  # fmt: skip
 
 
 def graph_order(optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
@@ -125,14 +136,19 @@ def advance(optimizers: dict[str, torch.optim.Optimizer]) -> list[float]:
     for opt in graph_order(optimizers):
         group = opt.param_groups[0]
         beta1, beta2 = group["betas"]
-        step_t = _host_step(opt.state[group["params"][0]])
+        step_t = host_step(opt.state[group["params"][0]])
         step_t += 1
         step = float(step_t)
         out += [group["lr"] / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step)]
     return out
 
 
+def step_counts(optimizers: dict[str, torch.optim.Optimizer]) -> list[float]:
+    """Each optimizer's Adam step count, in graph_order (after advance(): this step's)."""
+    return [float(host_step(opt.state[opt.param_groups[0]["params"][0]])) for opt in graph_order(optimizers)]
+
+
 def rewind(optimizers: dict[str, torch.optim.Optimizer], steps: int) -> None:
     """Take back `steps` of advance()'s counts (replays whose update was skipped)."""
     for opt in graph_order(optimizers):
-        _host_step(opt.state[opt.param_groups[0]["params"][0]]).sub_(steps)
+        host_step(opt.state[opt.param_groups[0]["params"][0]]).sub_(steps)

@@ -96,7 +96,8 @@ class GraphEngine:
         self.ctx = ctx
         self.device = ctx.device
         self.batch = max(1, int(ctx.batch_size))  # views a step: the graph's slots
-        n_scalars = 2 * len(ctx.optimizers) + 1  # Adam's pairs, then the step's tag
+        # Adam's pairs and step counts (fused_adam.graph_scalars), then the step's tag
+        n_scalars = fused_adam.graph_scalars(len(ctx.optimizers)) + 1
         self.scalars = torch.zeros(n_scalars, device=self.device)
         # the tag and flag every slot's budget shares (its capacity unused: each slot has its own)
         self.budget = PairBudget.on(self.device, 0, tag=self.scalars[-1:])
@@ -248,7 +249,8 @@ class GraphEngine:
         if done is not None:
             done.synchronize()  # the ring's slot is free once its copy has run: at most INFLIGHT ahead
         host = self.pinned[self.slot]
-        host[:-1] = torch.tensor(fused_adam.advance(t.optimizers), dtype=torch.float32)
+        host[:-1] = torch.tensor(fused_adam.advance(t.optimizers) + fused_adam.step_counts(t.optimizers),
+                                 dtype=torch.float32)
         host[-1] = float(step + 1)
         self.scalars.copy_(host, non_blocking=True)
         corrections.advance(t.corrections, step)

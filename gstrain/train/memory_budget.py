@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
+from gstrain.train.bf16_moments import moments_dtype
 
 FLOAT = 4  # bytes: every parameter, gradient, moment and statistic is float32 (radii int32)
 # The parameter layout of gstrain.model.init_gaussians, floats per Gaussian (shN by SH degree).
 PARAM_FLOATS_BASE = {"means": 3, "scales": 3, "quats": 4, "opacities": 1, "sh0": 3}
 # Each parameter float is kept four times at the backward's peak: the value, its gradient, Adam's
-# exp_avg and exp_avg_sq.
+# exp_avg and exp_avg_sq (the moments in optim.moments' dtype: float32, or bfloat16's 2 bytes).
 COPIES_PER_PARAM = 4
 # The strategy's per-Gaussian state: DefaultStrategy keeps grad2d and count (float32 each);
 # gsplat's MCMC keeps only a fixed binomial table (no per-Gaussian state).
@@ -80,10 +81,11 @@ def per_gaussian_breakdown(
     step_bytes: dict[str, int] | None = None,
     pairs_per_gaussian: float = PAIRS_PER_GAUSSIAN,
     graph_pair_margin: float = 0.0,
+    moments: str = "fp32",
 ) -> dict[str, int]:
     """GPU bytes one Gaussian costs at the peak of a step, by what holds them: each parameter
-    tensor, the gradients, Adam's moments, the strategy's statistics, the step's buffers
-    (STEP_BYTES unless given) and its tile pairs.
+    tensor, the gradients, Adam's moments (in optim.moments' dtype `moments`), the strategy's
+    statistics, the step's buffers (STEP_BYTES unless given) and its tile pairs.
 
     graph_pair_margin > 0: the CUDA-graph engine runs the steps and keeps its graphs through some
     eager steps (train/graph_step.py: those of masked views; its CAPACITY_MARGIN). The graphs' pool
@@ -97,7 +99,8 @@ def per_gaussian_breakdown(
     rows = {f"parameter {name}": floats * FLOAT for name, floats in layout.items()}
     params = param_floats(sh_degree) * FLOAT
     rows["gradients"] = params
-    rows["Adam moments"] = params * (COPIES_PER_PARAM - 2)
+    moment_bytes = moments_dtype(moments).itemsize
+    rows["Adam moments"] = param_floats(sh_degree) * moment_bytes * (COPIES_PER_PARAM - 2)
     rows["strategy statistics"] = STRATEGY_FLOATS[strategy] * FLOAT
     step = dict(STEP_BYTES if step_bytes is None else step_bytes)
     if absgrad:
@@ -173,7 +176,7 @@ def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int,
     if cfg.train.max_memory_gib <= 0:
         return GrowthGate(None, log)
     per = bytes_per_gaussian(cfg.model.sh_degree, strategy=cfg.strategy.name, absgrad=cfg.strategy.absgrad,
-                             graph_pair_margin=graph_pair_margin)
+                             graph_pair_margin=graph_pair_margin, moments=cfg.optim.moments)
     largest = max((s[0] * s[1] for s in image_shapes), default=0)
     return GrowthGate(plan_budget(cfg.train.max_memory_gib, per, device_image_bytes, largest,
                                   cfg.train.batch_size), log)

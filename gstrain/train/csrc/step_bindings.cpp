@@ -19,6 +19,12 @@ void check_float_cuda(const at::Tensor &t, const char *name, const at::Device &d
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+void check_bf16_cuda(const at::Tensor &t, const char *name, const at::Device &device) {
+    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", t.scalar_type(), ", expected bfloat16");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 void check_cuda(cudaError_t err, const char *what) {
@@ -30,6 +36,9 @@ void check_cuda(cudaError_t err, const char *what) {
 // One Adam step over every tensor in the lists (lists index-aligned), in ceil(n / 8) launches.
 // step_sizes[i] = lr_i / (1 - beta1^step_i); inv_sqrt_bc2[i] = 1 / sqrt(1 - beta2^step_i).
 // With `visible` ([N] bool), rows of Gaussians that are not visible are left untouched.
+// Moments may be float32 or bfloat16 per tensor (both of one tensor alike); bfloat16 ones are
+// stochastically rounded with the hash of (element, steps[i], salts[2i] or salts[2i+1]), and in a
+// graph step (`scalars`) the step counts are read from scalars[2n + i] instead of `steps`.
 void adam_step(
     const std::vector<at::Tensor> &params,
     const std::vector<at::Tensor> &grads,
@@ -42,15 +51,19 @@ void adam_step(
     double eps,
     const std::optional<at::Tensor> &visible,
     const std::optional<at::Tensor> &scalars,
-    const std::optional<at::Tensor> &skip
+    const std::optional<at::Tensor> &skip,
+    const std::vector<double> &steps,
+    const std::vector<int64_t> &salts
 ) {
     const size_t n = params.size();
     TORCH_CHECK(
         grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && step_sizes.size() == n &&
-            inv_sqrt_bc2.size() == n,
-        "adam_step: the lists must have the same length"
+            inv_sqrt_bc2.size() == n && steps.size() == n && salts.size() == 2 * n,
+        "adam_step: the lists must have the same length (two salts per tensor)"
     );
     if (n == 0) return;
+    bool any_bf16 = false;
+    for (const at::Tensor &m : exp_avgs) any_bf16 = any_bf16 || m.scalar_type() == at::kBFloat16;
     const at::Device device = params[0].device();
     int64_t gaussians = -1;
     const bool *visible_ptr = nullptr;
@@ -66,6 +79,8 @@ void adam_step(
         check_float_cuda(*scalars, "scalars", device);
         TORCH_CHECK(scalars->numel() >= (int64_t)(2 * n), "scalars must hold a (step size, 1/sqrt(bc2)) pair per tensor");
         scalars_ptr = scalars->data_ptr<float>();
+        TORCH_CHECK(!any_bf16 || scalars->numel() >= (int64_t)(3 * n),
+                    "scalars must also hold a step count per tensor with bfloat16 moments");
     }
     const int *skip_ptr = nullptr;
     if (skip.has_value() && skip->defined()) {
@@ -83,6 +98,7 @@ void adam_step(
         batch.eps = (float)eps;
         batch.visible = visible_ptr;
         batch.scalars = scalars_ptr != nullptr ? scalars_ptr + 2 * start : nullptr;
+        batch.step_counts = scalars_ptr != nullptr && any_bf16 ? scalars_ptr + 2 * n + start : nullptr;
         batch.skip = skip_ptr;
         batch.first_block[0] = 0;
         int count = 0;
@@ -90,8 +106,14 @@ void adam_step(
             const at::Tensor &p = params[i];
             check_float_cuda(p, "param", device);
             check_float_cuda(grads[i], "grad", device);
-            check_float_cuda(exp_avgs[i], "exp_avg", device);
-            check_float_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+            const bool bf16 = exp_avgs[i].scalar_type() == at::kBFloat16;
+            if (bf16) {
+                check_bf16_cuda(exp_avgs[i], "exp_avg", device);
+                check_bf16_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+            } else {
+                check_float_cuda(exp_avgs[i], "exp_avg", device);
+                check_float_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+            }
             const int64_t numel = p.numel();
             TORCH_CHECK(grads[i].numel() == numel && exp_avgs[i].numel() == numel && exp_avg_sqs[i].numel() == numel,
                         "adam_step: tensor ", i, " and its gradient or state differ in size");
@@ -104,13 +126,22 @@ void adam_step(
             AdamTensor &t = batch.tensors[count];
             t.param = p.data_ptr<float>();
             t.grad = grads[i].data_ptr<float>();
-            t.exp_avg = exp_avgs[i].data_ptr<float>();
-            t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+            t.bf16 = bf16;
+            if (bf16) {
+                t.exp_avg_bf16 = reinterpret_cast<uint16_t *>(exp_avgs[i].data_ptr<at::BFloat16>());
+                t.exp_avg_sq_bf16 = reinterpret_cast<uint16_t *>(exp_avg_sqs[i].data_ptr<at::BFloat16>());
+            } else {
+                t.exp_avg = exp_avgs[i].data_ptr<float>();
+                t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+            }
+            t.salt_avg = (uint32_t)(salts[2 * i] & 0xFFFFFFFF);
+            t.salt_avg_sq = (uint32_t)(salts[2 * i + 1] & 0xFFFFFFFF);
+            t.step = (float)steps[i];
             t.numel = numel;
             t.row = row > 0 ? row : 1;
             t.step_size = (float)step_sizes[i];
             t.inv_sqrt_bc2 = (float)inv_sqrt_bc2[i];
-            t.vec4 = aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
+            t.vec4 = !bf16 && aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
             batch.first_block[count + 1] = batch.first_block[count] + (numel + per_block - 1) / per_block;
         }
         batch.count = count;

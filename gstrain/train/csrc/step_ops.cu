@@ -19,6 +19,52 @@ __device__ __forceinline__ void adam_update(const float g, float &m, float &v, f
     p -= step_size * (m / denom);
 }
 
+// optim.moments=bf16, the same bits as gstrain/train/bf16_moments.py (mix32, step_seed,
+// rounding_noise, stochastic_round_bf16): the multipliers are odd and below 2^31 so that the
+// Python side's int64 products keep these low 32 bits.
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x1B873593u;
+    return x ^ (x >> 16);
+}
+
+__device__ __forceinline__ uint32_t step_seed(const uint32_t step, const uint32_t salt) { return mix32(salt ^ mix32(step)); }
+
+// float32 -> bfloat16 bits: the upper 16 bits of (bits + 16 bits of noise hashed from the element
+// index and the seed). NaN -> 0x7FC0; a finite value stops at the largest finite bfloat16.
+__device__ __forceinline__ uint16_t round_bf16(const float x, const uint32_t seed, const int64_t e) {
+    uint32_t h = mix32((uint32_t)e ^ seed);
+    const uint32_t hi = (uint32_t)((uint64_t)e >> 32);
+    if (hi != 0) h = mix32(h ^ hi);
+    if (isnan(x)) return 0x7FC0u;
+    uint32_t r = (__float_as_uint(x) + (h >> 16)) >> 16;
+    if (isfinite(x) && (r & 0x7FFFu) == 0x7F80u) r = (r & 0x8000u) | 0x7F7Fu;
+    return (uint16_t)r;
+}
+
+__device__ __forceinline__ float bf16_to_float(const uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+// Adam with bfloat16 moments: float32 math with explicitly rounded operations (no contraction into
+// fused multiply-adds), in bf16_moments.update_moments' order, so the moments before rounding are
+// the CPU path's bits; the parameter update uses the unrounded moments.
+__device__ __forceinline__ void adam_update_bf16(const AdamTensor &t, const int64_t e, const AdamBatch &batch,
+                                                 const float step_size, const float inv_sqrt_bc2,
+                                                 const uint32_t seed_avg, const uint32_t seed_avg_sq) {
+    const float g = t.grad[e];
+    const float m0 = bf16_to_float(t.exp_avg_bf16[e]);
+    const float v0 = bf16_to_float(t.exp_avg_sq_bf16[e]);
+    const float c1 = __fsub_rn(1.0f, batch.beta1);
+    const float c2 = __fsub_rn(1.0f, batch.beta2);
+    const float m = __fadd_rn(m0, __fmul_rn(__fsub_rn(g, m0), c1));
+    const float v = __fadd_rn(__fmul_rn(v0, batch.beta2), __fmul_rn(__fmul_rn(g, g), c2));
+    const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_sqrt_bc2), batch.eps);
+    t.param[e] -= step_size * __fdiv_rn(m, denom);
+    t.exp_avg_bf16[e] = round_bf16(m, seed_avg, e);
+    t.exp_avg_sq_bf16[e] = round_bf16(v, seed_avg_sq, e);
+}
+
 // A thread updates four consecutive elements: with 16-byte aligned tensors (AdamTensor::vec4) as
 // one float4 load and store per array, which keeps more bytes in flight than four scalar passes
 // (the kernel is bound by its 28 bytes per element); the update per element is the same either way.
@@ -36,6 +82,18 @@ __global__ void adam_kernel(const AdamBatch batch) {
 #pragma unroll
     for (int k = 0; k < kAdamPerThread; ++k)
         drawn[k] = batch.visible == nullptr || (e0 + k < t.numel && batch.visible[(e0 + k) / t.row]);
+    if (t.bf16) {
+        // in a graph replay the count comes from the device: the argument is frozen at capture
+        const float count = batch.step_counts != nullptr ? batch.step_counts[i] : t.step;
+        const uint32_t step = (uint32_t)count;
+        const uint32_t seed_avg = step_seed(step, t.salt_avg), seed_avg_sq = step_seed(step, t.salt_avg_sq);
+#pragma unroll
+        for (int k = 0; k < kAdamPerThread; ++k) {
+            if (e0 + k >= t.numel) break;
+            if (drawn[k]) adam_update_bf16(t, e0 + k, batch, step_size, inv_sqrt_bc2, seed_avg, seed_avg_sq);
+        }
+        return;
+    }
     if (t.vec4 && e0 + kAdamPerThread <= t.numel) {
         const float4 g = *reinterpret_cast<const float4 *>(t.grad + e0);
         float4 m = *reinterpret_cast<const float4 *>(t.exp_avg + e0);

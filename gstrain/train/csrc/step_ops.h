@@ -11,13 +11,20 @@ namespace gstrain {
 // One launch updates up to this many tensors (a Gaussian model has six); more are chunked.
 constexpr int kMaxAdamTensors = 8;
 
-// One parameter tensor and its Adam state, all float32, contiguous, `numel` elements.
+// One parameter tensor and its Adam state, contiguous, `numel` elements: parameter and gradient
+// float32, the moments float32 or (bf16) bfloat16 bit patterns, stochastically rounded on store.
 // `row` = elements per Gaussian (3 for means, 45 for shN), used only with a visibility mask.
 struct AdamTensor {
     float *param;
     const float *grad;
-    float *exp_avg;
+    float *exp_avg;    // float32 moments (bf16 false)
     float *exp_avg_sq;
+    uint16_t *exp_avg_bf16; // bfloat16 moments (bf16 true)
+    uint16_t *exp_avg_sq_bf16;
+    bool bf16;
+    uint32_t salt_avg;    // the rounding hash's salt of each moment (gstrain/train/bf16_moments.py)
+    uint32_t salt_avg_sq;
+    float step;           // the Adam step count (1 first): the rounding hash's counter
     int64_t numel;
     int64_t row;
     float step_size;    // lr / (1 - beta1^step)
@@ -36,6 +43,9 @@ struct AdamBatch {
     // CUDA-graph steps: per-tensor (step_size, inv_sqrt_bc2) pairs read on the device (this batch's
     // first pair at [0]) instead of the fields above, and a flag that, when non-zero, skips the step
     const float *scalars; // nullptr: use AdamTensor's fields
+    // with `scalars` and bfloat16 moments: each tensor's step count on the device (this batch's
+    // first at [0]) instead of AdamTensor::step
+    const float *step_counts;
     const int *skip;      // nullptr: never skip
 };
 
