@@ -26,7 +26,8 @@ def test_expandable_segments_unless_the_user_chose() -> None:
 
 def test_the_command_sets_it_before_anything_runs() -> None:
     code = ("import os, sys\nsys.argv = ['gstrain', '--help']\nfrom gstrain.cli import main\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\nprint('CONF=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))")
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('CONF=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert "CONF=expandable_segments:True" in out

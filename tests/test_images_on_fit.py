@@ -132,3 +132,20 @@ def test_bad_budgets_are_one_line(scene_dir: Path, tmp_path: Path, value: str, n
                          "--set", f"train.max_memory_gib={value}")
     assert_one_error(code, err, needle)
     assert not (tmp_path / "run").exists()  # said before the run folder is written
+
+
+def test_refined_poses_of_streamed_views_stay_lazy(scene_dir: Path, tmp_path: Path) -> None:
+    """train.pose_refine with streamed images: scoring the training views at the end (log.eval_train_views)
+    moves each lazy view to its refined pose without decoding it there and without a traceback."""
+    lazy = load_scene(scene_dir, test_every=8, lazy=True)
+    moved = torch.eye(4)
+    moved[0, 3] = 0.25
+    view = lazy.train[0]
+    other = view.with_pose(moved)
+    assert isinstance(other, LazyView) and torch.equal(other.viewmat, moved)
+    assert other.recipe is view.recipe and torch.equal(other.K, view.K)
+    code, err = call_cli("fit", scene_dir, "--out", tmp_path / "run", "--steps", "4", "--device", "cpu",
+                         "--set", "data.images_on=disk", "--set", "train.pose_refine=true",
+                         "--set", "log.eval_train_views=true", "--set", "log.eval_steps=[]")  # fmt: skip
+    assert code == 0, err[-2000:]
+    assert "Traceback" not in err

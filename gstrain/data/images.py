@@ -252,6 +252,10 @@ class LazyView(View):
         if value is not None:  # View.__init__ sets None; anything else would be silently dropped
             raise AttributeError("a LazyView's pixels come from its recipe")
 
+    def with_pose(self, viewmat: torch.Tensor) -> LazyView:
+        """Still lazy: the recipe moves with it, nothing is decoded."""
+        return LazyView(self.name, self.recipe, self.K, viewmat, self.mask)
+
     @property
     def width(self) -> int:
         return self.recipe.size[0]

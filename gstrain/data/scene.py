@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -25,6 +25,10 @@ class View:
     @property
     def height(self) -> int:
         return int(self.image.shape[0])
+
+    def with_pose(self, viewmat: torch.Tensor) -> View:
+        """This view seen from another pose (a refined camera): the same image, intrinsics and mask."""
+        return replace(self, viewmat=viewmat)
 
     @property
     def camera_center(self) -> torch.Tensor:

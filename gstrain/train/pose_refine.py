@@ -183,8 +183,7 @@ def refined_views(views: Sequence[View], state: dict[str, Any] | None) -> list[V
                         f"has {len(views)} training views; was the scene folder changed?")
     with torch.no_grad():
         fixes = correction_matrices(delta, float(state["extent"]), state["pivots"].float().cpu())
-    return [dataclasses.replace(v, viewmat=(fix @ v.viewmat.float().cpu()).contiguous())
-            for v, fix in zip(views, fixes, strict=True)]  # fmt: skip
+    return [v.with_pose((fix @ v.viewmat.float().cpu()).contiguous()) for v, fix in zip(views, fixes, strict=True)]
 
 
 def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, renderer: Any, runner: Any,
