@@ -96,10 +96,10 @@ def write_run_record(
         # the command's start-up: from the process's start (interpreter, imports, scene, model,
         # the step-0 evaluation) to the first training step
         "startup_seconds": None if record.startup_s is None else round(record.startup_s, 2),
-        # of which the trainer's set-up: decoding the images (data.images_on gpu/host), the initial
-        # model (the SfM points' neighbour search), the step-0 evaluation; the rest is the
-        # interpreter, imports, reading the scene and loading the CUDA kernels
-        "startup_phases": {k: round(v, 2) for k, v in record.startup_phases.items()},
+        # its parts: the interpreter, imports and config; reading the scene; the renderer (CUDA
+        # context, kernels); decoding the images (data.images_on gpu/host); the initial model (the
+        # SfM points' neighbour search); the step-0 evaluation; and what none of them covers
+        "startup_phases": startup_parts(record),
         "num_gaussians": result.num_gaussians,
         "max_gaussians": record.max_gaussians,  # set at the start of fit, raised on every change
         "initial_test_psnr": result.initial_test_psnr,
@@ -140,6 +140,14 @@ def write_run_record(
                                           "received": round(record.comm_received / steps)}
     write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     return summary
+
+
+def startup_parts(record: RunRecord) -> dict[str, float]:
+    """The record's start-up phases, rounded, with "other": the start-up no phase accounts for."""
+    parts = dict(record.startup_phases)
+    if record.startup_s is not None and parts:
+        parts["other"] = max(record.startup_s - sum(parts.values()), 0.0)
+    return {k: round(v, 2) for k, v in parts.items()}
 
 
 def seconds_since_process_start() -> float | None:

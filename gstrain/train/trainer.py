@@ -342,9 +342,6 @@ class Trainer(RunReporting):
         t_start = time.perf_counter()
         if start_step < end:
             self.record.startup_s = seconds_since_process_start()
-            if self.record.startup_s is not None:  # what no phase above accounts for
-                known = sum(self.record.startup_phases.values())
-                self.record.startup_phases["other"] = max(self.record.startup_s - known, 0.0)
         bar = tqdm(total=end, initial=start_step, desc="fit", dynamic_ncols=True, unit="step", disable=not self.lead)
         with _StopFlag(abort_on_second=self.signal_every_step) as signals:
             while self.step < end:
