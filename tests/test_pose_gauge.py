@@ -86,6 +86,11 @@ def common_rotation(n_views: int, omega: np.ndarray) -> np.ndarray:
     return np.concatenate([np.tile(omega, (n_views, 1)), np.zeros((n_views, 3))], axis=1)
 
 
+def common_rotation_generators(n_views: int) -> np.ndarray:
+    """[V*6, 3]: the corrections per unit of common rotation about each camera axis."""
+    return np.stack([common_rotation(n_views, axis).reshape(-1) for axis in np.eye(3)], axis=1)
+
+
 def test_a_common_rotation_in_the_cameras_frames_is_removed():
     rng = np.random.default_rng(2)
     mats, pivots = rig(11, rng)
@@ -112,8 +117,7 @@ def test_a_rig_with_fewer_directions_gets_an_orthonormal_basis_of_them(n_views):
     k = basis.shape[1]
     assert k <= min(10, 6 * n_views)
     torch.testing.assert_close(basis.T @ basis, torch.eye(k, dtype=torch.float64), rtol=0, atol=1e-12)
-    generators = np.concatenate([similarity_generators(mats, pivots, 2.0),
-                                 np.stack([common_rotation(n_views, e).reshape(-1) for e in np.eye(3)], 1)], 1)
+    generators = np.concatenate([similarity_generators(mats, pivots, 2.0), common_rotation_generators(n_views)], 1)
     assert np.linalg.matrix_rank(generators, tol=1e-6) == k
     # every generator lies in the basis' span (what the projection removes is theirs alone)
     residual = generators - basis.numpy() @ (basis.numpy().T @ generators)
@@ -150,7 +154,7 @@ def test_a_refiner_step_is_adam_less_its_gauge_part(device):
     step = np.zeros((10, 6))
     step[3] = -1e-3 * np.sign(grad[3].numpy())
     generators = similarity_generators(mats, pivots.astype(np.float32).astype(np.float64), 2.0)
-    generators = np.concatenate([generators, np.stack([common_rotation(10, e).reshape(-1) for e in np.eye(3)], 1)], 1)
+    generators = np.concatenate([generators, common_rotation_generators(10)], 1)
     fit, *_ = np.linalg.lstsq(generators, step.reshape(-1), rcond=None)
     expected = step - (generators @ fit).reshape(10, 6)
     np.testing.assert_allclose(refiner.delta.detach().cpu().double().numpy(), expected, rtol=0, atol=2e-8)

@@ -34,9 +34,13 @@ directions leave it free, and joint training drifts along it. On the demo scene 
 0.74 degrees from zero), which is the error the refinement then cannot remove. Held at zero, the
 corrections keep the given poses' mean rotation in the camera frame; the cost is that a true
 common rotation error of the given poses (the mean of independent errors, about 1/sqrt(views) of
-one view's) stays. Where the cameras all face one way (a forward-facing capture) a common rotation
-about the pivots is close to a rotation of the world about the scene, already in the gauge, so
-holding it there costs little either.
+one view's) stays. Demo scene, three 1 degree / 1% perturbations, 500 joint steps at pose_lr 5e-3:
+aligned rotation error 0.96 / 0.99 / 0.83 degrees with the seven directions alone, 0.34 / 0.44 /
+0.64 with the common rotation held too (1.01 / 1.02 / 1.01 given); test PSNR 24.98 / 24.47 / 24.54
+and 24.93 / 23.88 / 24.14 dB (22.59 / 22.25 / 20.93 without refinement): the rotation error falls
+further, the test PSNR up to 0.6 dB less. Where the cameras all face one way (a forward-facing
+capture) a common rotation about the pivots is close to a rotation of the world about the scene,
+already in the gauge, so holding it there costs little either.
 
 `gauge_basis` returns the span of the ten columns orthonormalised, and the projection removes it
 from the [V, 6] corrections.
