@@ -1,6 +1,8 @@
 """gstrain/train/pose_gauge.py against exact similarities of the world: the corrections that move a
 camera rig by one rotation, translation and scale of the world (computed exactly, through the
-matrix logarithm) are removed by the projection, and what it keeps is orthogonal to them."""
+matrix logarithm) are removed by the projection, and what it keeps is orthogonal to them; so is a
+common rotation of every camera in its own frame; rigs too small for ten independent directions
+get an orthonormal basis of what they have."""
 
 from __future__ import annotations
 
@@ -79,6 +81,49 @@ def test_what_the_projection_keeps_is_orthogonal_to_every_similarity():
     assert float((delta - kept).norm()) > 0.1  # a random delta has a gauge part to lose
 
 
+def common_rotation(n_views: int, omega: np.ndarray) -> np.ndarray:
+    """[V,6]: every camera turned by omega in its own frame about its pivot, no translation."""
+    return np.concatenate([np.tile(omega, (n_views, 1)), np.zeros((n_views, 3))], axis=1)
+
+
+def common_rotation_generators(n_views: int) -> np.ndarray:
+    """[V*6, 3]: the corrections per unit of common rotation about each camera axis."""
+    return np.stack([common_rotation(n_views, axis).reshape(-1) for axis in np.eye(3)], axis=1)
+
+
+def test_a_common_rotation_in_the_cameras_frames_is_removed():
+    rng = np.random.default_rng(2)
+    mats, pivots = rig(11, rng)
+    basis = gauge_basis([torch.tensor(m) for m in mats], torch.tensor(pivots), 2.0)
+    assert basis.shape == (66, 10)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(10, dtype=torch.float64), rtol=0, atol=1e-12)
+    delta = torch.tensor(rng.normal(size=(11, 6)) * 1e-3)
+    kept = without_gauge(delta, basis)
+    common = torch.tensor(common_rotation(11, np.array([0.02, -0.01, 0.005])))
+    # adding a common rotation changes nothing that is kept: it is removed whole
+    torch.testing.assert_close(without_gauge(delta + common, basis), kept, rtol=0, atol=1e-12)
+    # and what is kept has no common rotation left: its mean omega is zero
+    assert float(kept[:, :3].mean(dim=0).abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("n_views", [1, 2])
+def test_a_rig_with_fewer_directions_gets_an_orthonormal_basis_of_them(n_views):
+    """One view has 6 directions, all of them gauge (ten columns, rank 6); two views have 12 and
+    the ten columns are independent only if no two coincide. QR would return ten columns either way,
+    some of them arbitrary; the basis must be exactly orthonormal and span only the columns."""
+    rng = np.random.default_rng(4)
+    mats, pivots = rig(n_views, rng)
+    basis = gauge_basis([torch.tensor(m) for m in mats], torch.tensor(pivots), 2.0)
+    k = basis.shape[1]
+    assert k <= min(10, 6 * n_views)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(k, dtype=torch.float64), rtol=0, atol=1e-12)
+    generators = np.concatenate([similarity_generators(mats, pivots, 2.0), common_rotation_generators(n_views)], 1)
+    assert np.linalg.matrix_rank(generators, tol=1e-6) == k
+    # every generator lies in the basis' span (what the projection removes is theirs alone)
+    residual = generators - basis.numpy() @ (basis.numpy().T @ generators)
+    assert np.abs(residual).max() < 1e-5 * np.abs(generators).max()
+
+
 def similarity_generators(mats, pivots, extent: float) -> np.ndarray:
     """[V*6, 7]: the corrections per unit of each similarity generator, by finite differences."""
     step = 1e-7
@@ -94,7 +139,8 @@ def similarity_generators(mats, pivots, extent: float) -> np.ndarray:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_refiner_step_is_adam_less_its_gauge_part(device):
     """One update of view 3 with a known gradient: Adam's first step is -lr * sign(gradient) on
-    that row; the refiner keeps it less its least-squares fit by the exact similarity moves."""
+    that row; the refiner keeps it less its least-squares fit by the exact similarity moves and
+    the common rotations."""
     rng = np.random.default_rng(5)
     mats, pivots = rig(10, rng)
     cfg = SimpleNamespace(optim=SimpleNamespace(pose_lr=1e-3, pose_lr_final=1e-4),
@@ -108,6 +154,7 @@ def test_a_refiner_step_is_adam_less_its_gauge_part(device):
     step = np.zeros((10, 6))
     step[3] = -1e-3 * np.sign(grad[3].numpy())
     generators = similarity_generators(mats, pivots.astype(np.float32).astype(np.float64), 2.0)
+    generators = np.concatenate([generators, common_rotation_generators(10)], 1)
     fit, *_ = np.linalg.lstsq(generators, step.reshape(-1), rcond=None)
     expected = step - (generators @ fit).reshape(10, 6)
     np.testing.assert_allclose(refiner.delta.detach().cpu().double().numpy(), expected, rtol=0, atol=2e-8)

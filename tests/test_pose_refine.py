@@ -95,7 +95,8 @@ def test_correction_is_rodrigues_and_extent_scaled():
 @pytest.mark.parametrize("gauge", [False, True])
 def test_camera_gradient_reaches_only_rendered_views(scene, tmp_path, gauge):
     """Adam steps the rendered view's row alone (its moments and step count); with the gauge held
-    (train/pose_gauge.py) the projection then spreads a small share of that step over every view."""
+    (train/pose_gauge.py) the projection then spreads a small share of that step over every view
+    (ten directions over 14 views: about a quarter of the step at most, measured 0.25)."""
     trainer = Trainer(config(1, True), scene, tmp_path, torch.device("cpu"), log=lambda m: None)
     refiner = trainer.pose_refiner
     if not gauge:
@@ -109,7 +110,7 @@ def test_camera_gradient_reaches_only_rendered_views(scene, tmp_path, gauge):
     moved = refiner.delta.detach().abs().amax(dim=1)
     if gauge:
         others = torch.cat([moved[:3], moved[4:]])
-        assert 0 < others.max() < 0.2 * moved[3], moved.tolist()
+        assert 0 < others.max() < 0.3 * moved[3], moved.tolist()
     else:
         assert (moved != 0).tolist() == only_3
 
@@ -231,16 +232,17 @@ def aligned_axis_errors(views, truth) -> np.ndarray:
 @pytest.mark.slow
 def test_known_answer_joint_refinement(demo_scene, tmp_path):
     """Training poses perturbed by 1 degree and 1% of the extent, the scene and poses learned
-    together from the SfM points: test PSNR rises by at least 1 dB over the same run without
-    refinement (the test views keep their given poses, so this needs the gauge held: with the
-    cameras free to co-rotate with the scene it rose 0.68 dB), and the pose error after the best
-    similarity alignment shrinks.
+    together from the SfM points for 500 steps: test PSNR rises by at least 1.5 dB over the same run
+    without refinement (the test views keep their given poses, so this needs the gauge held), and
+    the pose error shrinks on every axis, aligned (umeyama) and raw.
 
-    The brief's 5x is not reached on this scene: the cameras' yaw and roll converge (5x and 2.3x
-    by 1000 steps) but their pitch, an elevation change about the scene centre, does not (0.5 ->
-    0.6-0.8 degrees at 1000-3000 steps, for every gauge choice and pose rate tried; with the scene
-    frozen at the truth it reaches 0.25). So this asserts the image-plane rotation (yaw + roll)
-    error falls to 0.75 of its start in 500 steps and the full aligned errors fall at all."""
+    What it measures against the seven-direction gauge alone: there every camera pitched up
+    together by about 1 degree (the common rotation in the cameras' frames, which joint training
+    drifts along even from the true poses; train/pose_gauge.py), so the aligned rotation error went
+    1.01 -> 0.96 degrees; with the common rotation held too it goes to 0.34 (pitch 0.50 -> 0.23).
+    The brief's 5x is not reached: the held common rotation keeps the given poses' own mean
+    rotation error, 0.16 degrees on this perturbation, a floor of about 6x, and the pitch of the two
+    rings settles into opposite errors of about 0.2-0.5 degrees by 1000-1500 steps."""
     steps = 500
 
     def fit(refine: bool, folder: str):
@@ -249,6 +251,8 @@ def test_known_answer_joint_refinement(demo_scene, tmp_path):
         scene.train = perturbed(truth, scene.extent, seed=1)
         cfg = build_config(overrides=[{
             "train": {"steps": steps, "device": "cpu", "pose_refine": refine},
+            # the default rate is for full-length runs; 500 steps update each view ~36 times
+            "optim": {"pose_lr": 5e-3, "pose_lr_final": 5e-4},
             "model": {"sh_degree": 0}, "strategy": {"refine_start": 10**6},
             "log": {"progress_every": 10**6, "ckpt_every": 0, "tb_every": 10**6, "eval_steps": [], "save_steps": []},
         }])  # fmt: skip
@@ -271,6 +275,8 @@ def test_known_answer_joint_refinement(demo_scene, tmp_path):
               f"{plain_run.final_test_psnr:.2f} without refinement, {refined_run.final_test_psnr:.2f} with")
     print(report)
     assert raw_before == pytest.approx((1.0, 0.01), rel=1e-3), report
-    assert refined_run.final_test_psnr > plain_run.final_test_psnr + 1.0, report
-    assert axes_after[1:].sum() < 0.75 * axes_before[1:].sum(), report
-    assert after[0] < before[0] and after[1] < before[1], report
+    assert refined_run.final_test_psnr > plain_run.final_test_psnr + 1.5, report
+    # measured: 2.99x rotation, 1.93x centre aligned; 2.55x, 1.77x raw; every axis 2.2x or more
+    assert after[0] < before[0] / 2.5 and after[1] < before[1] / 1.6, report
+    assert raw_after[0] < raw_before[0] / 2.2 and raw_after[1] < raw_before[1] / 1.5, report
+    assert (axes_after < axes_before / 1.8).all(), report

@@ -20,8 +20,9 @@ train.pose_refine_start and train.steps; before the start the views render as gi
 
 After each update the corrections lose their gauge component (train/pose_gauge.py): the seven
 directions in which every camera moves by one similarity of the world, which the images cannot
-see. Held there, the refined cameras stay in the given poses' frame on average, which is the frame
-the test views are given in; left free they co-rotate with the scene and the test views, rendered
+see, and the three of a common rotation of every camera in its own frame, which they barely see.
+Held there, the refined cameras stay in the given poses' frame on average, which is the frame the
+test views are given in; left free they co-rotate with the scene and the test views, rendered
 at their given poses, fall out of register (demo scene, 1 degree / 1% perturbation, 1000 steps:
 test PSNR 22.08 dB free, 26.11 dB held, 21.92 dB without refinement).
 
