@@ -12,7 +12,7 @@ from pathlib import Path
 import pycolmap
 import pytest
 import torch
-from cli_util import assert_user_error, call_cli, run_cli
+from cli_util import assert_one_error, assert_user_error, call_cli, run_cli
 
 from gstrain.train.checkpoint import list_checkpoints
 
@@ -37,24 +37,24 @@ def scene_copy(demo_scene: Path, tmp_path: Path) -> Path:
 
 
 def test_missing_scene(tmp_path):
-    assert_user_error(run_cli("fit", tmp_path / "nope"), "not found")
+    assert_one_error(*call_cli("fit", tmp_path / "nope"), "not found")
 
 
 def test_no_sparse_model(scene_copy):
     shutil.rmtree(scene_copy / "sparse")
-    assert_user_error(run_cli("fit", scene_copy), "sparse")
+    assert_one_error(*call_cli("fit", scene_copy), "sparse")
 
 
 def test_image_listed_but_missing(scene_copy):
     victim = sorted((scene_copy / "images").iterdir())[3]
     victim.unlink()
-    assert_user_error(run_cli("fit", scene_copy), victim.name)
+    assert_one_error(*call_cli("fit", scene_copy), victim.name)
 
 
 def test_corrupt_image(scene_copy):
     victim = sorted((scene_copy / "images").iterdir())[2]
     victim.write_bytes(b"\x89PNG garbage")
-    assert_user_error(run_cli("fit", scene_copy), victim.name)
+    assert_one_error(*call_cli("fit", scene_copy), victim.name)
 
 
 def test_empty_point_cloud(scene_copy, tmp_path):
@@ -63,7 +63,7 @@ def test_empty_point_cloud(scene_copy, tmp_path):
     for point_id in list(rec.point3D_ids()):
         rec.delete_point3D(point_id)
     rec.write(str(model_dir))
-    assert_user_error(run_cli("fit", scene_copy, "--out", tmp_path / "run"), "no 3D points", "model.init=random")
+    assert_one_error(*call_cli("fit", scene_copy, "--out", tmp_path / "run"), "no 3D points", "model.init=random")
 
 
 @pytest.mark.parametrize(
@@ -82,25 +82,25 @@ def test_empty_point_cloud(scene_copy, tmp_path):
     ],
 )
 def test_bad_flags(demo_scene, tmp_path, flags, needle):
-    assert_user_error(run_cli("fit", demo_scene, "--out", tmp_path / "r", *flags), needle)
+    assert_one_error(*call_cli("fit", demo_scene, "--out", tmp_path / "r", *flags), needle)
 
 
 def test_unknown_key_in_config_file(demo_scene, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("strategy:\n  grow_everything: true\n")
-    assert_user_error(run_cli("fit", demo_scene, "--config", cfg), "strategy.grow_everything")
+    assert_one_error(*call_cli("fit", demo_scene, "--config", cfg), "strategy.grow_everything")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_requested_without_gpu(demo_scene, tmp_path):
-    assert_user_error(run_cli("fit", demo_scene, "--device", "cuda", "--out", tmp_path / "r"), "no CUDA GPU")
-    assert_user_error(run_cli("fit", demo_scene, "--backend", "gsplat", "--out", tmp_path / "g"),
-                      "render.backend=gsplat needs a CUDA GPU")
+    assert_one_error(*call_cli("fit", demo_scene, "--device", "cuda", "--out", tmp_path / "r"), "no CUDA GPU")
+    assert_one_error(*call_cli("fit", demo_scene, "--backend", "gsplat", "--out", tmp_path / "g"),
+                     "render.backend=gsplat needs a CUDA GPU")
 
 
 def test_eval_and_export_on_non_run(tmp_path):
-    assert_user_error(run_cli("eval", tmp_path), "not a gstrain run")
-    assert_user_error(run_cli("export", tmp_path / "missing"), "not found")
+    assert_one_error(*call_cli("eval", tmp_path), "not a gstrain run")
+    assert_one_error(*call_cli("export", tmp_path / "missing"), "not found")
 
 
 def test_fit_eval_export_on_demo(demo_scene, tmp_path):
@@ -242,8 +242,8 @@ def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_profile_needs_a_gpu(demo_scene):
-    assert_user_error(run_cli("profile", demo_scene), "needs a CUDA GPU")
-    assert_user_error(run_cli("profile", demo_scene, "--switches"), "needs a CUDA GPU")
+    assert_one_error(*call_cli("profile", demo_scene), "needs a CUDA GPU")
+    assert_one_error(*call_cli("profile", demo_scene, "--switches"), "needs a CUDA GPU")
 
 
 def test_profile_bad_flags(demo_scene):
