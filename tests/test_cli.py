@@ -155,8 +155,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     for key, value in state["params"].items():
         assert torch.equal(params[key].detach(), value), key
 
-    again = run_cli("fit", demo_scene, "--out", run, "--steps", "10")
-    assert_user_error(again, "already holds a run")
+    assert_one_error(*call_cli("fit", demo_scene, "--out", run, "--steps", "10"), "already holds a run")
 
 
 # One uninterrupted 80-step run serves the resume and the pause tests (checkpoints every 40 steps
@@ -168,8 +167,8 @@ RESUME_ARGS = ["--steps", "80", "--seed", "3", *FAST, "--set", "strategy.refine_
 @pytest.fixture(scope="module")
 def full_80(demo_scene, tmp_path_factory) -> Path:
     full = tmp_path_factory.mktemp("full80") / "run"
-    proc = run_cli("fit", demo_scene, "--out", full, *RESUME_ARGS)
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", full, *RESUME_ARGS)
+    assert code == 0, err
     return full
 
 
@@ -179,8 +178,8 @@ def test_resume_matches_uninterrupted_run(demo_scene, tmp_path, full_80):
     full, part = full_80, tmp_path / "part"
     shutil.copytree(full, part)
     (part / "ckpt" / "step_80.pt").unlink()  # as if it had stopped right after step 40
-    proc = run_cli("fit", demo_scene, "--out", part, "--resume", *common)
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", part, "--resume", *common)
+    assert code == 0, err
     a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
     b = torch.load(part / "ckpt" / "step_80.pt", weights_only=False)
     assert a["step"] == b["step"] == 80
@@ -206,28 +205,28 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
     stop_at=0 then ends bit for bit where an unpaused 80-step run ends (the schedules span 80)."""
     common = [*RESUME_ARGS, "--set", "log.ckpt_every=0"]  # only the pause and the end write one
     full, paused = full_80, tmp_path / "paused"
-    proc = run_cli("fit", demo_scene, "--out", paused, *common, "--set", "train.stop_at=40")
-    assert proc.returncode == 0, proc.stderr
-    assert "paused at train.stop_at=40 of 80 steps" in proc.stderr and "--set train.stop_at=0" in proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", paused, *common, "--set", "train.stop_at=40")
+    assert code == 0, err
+    assert "paused at train.stop_at=40 of 80 steps" in err and "--set train.stop_at=0" in err
     summary = json.loads((paused / "train_summary.json").read_text())
     assert summary["status"] == "stopped" and summary["steps"] == 40
     assert summary["test_history"][-1]["step"] == 40 and summary["final_test_psnr"] is not None
     assert [s for s, _ in list_checkpoints(paused)] == [40]
     # resumed without lifting stop_at: nothing to train, the same pause reported again
-    proc = run_cli("fit", demo_scene, "--out", paused, "--resume")
-    assert proc.returncode == 0 and "paused at train.stop_at=40" in proc.stderr, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", paused, "--resume")
+    assert code == 0 and "paused at train.stop_at=40" in err, err
     assert json.loads((paused / "train_summary.json").read_text())["checkpoint"].endswith("step_40.pt")
 
-    proc = run_cli("fit", demo_scene, "--out", paused, "--resume", "--set", "train.stop_at=0")
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", paused, "--resume", "--set", "train.stop_at=0")
+    assert code == 0, err
     assert json.loads((paused / "train_summary.json").read_text())["status"] == "done"
     a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
     b = torch.load(paused / "ckpt" / "step_80.pt", weights_only=False)
     for key in a["params"]:
         assert torch.equal(a["params"][key], b["params"][key]), key
 
-    bad = run_cli("fit", demo_scene, "--out", tmp_path / "bad", *common, "--set", "train.stop_at=81")
-    assert_user_error(bad, "train.stop_at must be 0 (off) or a step up to train.steps (80)")
+    bad = call_cli("fit", demo_scene, "--out", tmp_path / "bad", *common, "--set", "train.stop_at=81")
+    assert_one_error(*bad, "train.stop_at must be 0 (off) or a step up to train.steps (80)")
 
 
 def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
