@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_one_error, call_cli, run_cli
 from PIL import Image
 
 from gstrain.config import build_config
@@ -101,8 +101,8 @@ def test_a_bad_appearance_key_is_one_line():
 
 
 def test_cli_names_a_bad_appearance_value_in_one_line(demo_scene, tmp_path):
-    proc = run_cli("fit", demo_scene, "--out", tmp_path / "run", "--steps", "2", "--set", "train.appearance=grid")
-    assert_user_error(proc, "train.appearance must be one of none, affine")
+    code, err = call_cli("fit", demo_scene, "--out", tmp_path / "run", "--steps", "2", "--set", "train.appearance=grid")
+    assert_one_error(code, err, "train.appearance must be one of none, affine")
 
 
 def test_graphs_run_with_appearance_and_not_with_pose_refinement():
@@ -207,8 +207,8 @@ def test_resume_with_appearance_equals_the_uninterrupted_run_and_eval_reports_bo
     config.write_text(SMALL_RUN)
     full, part = tmp_path / "full", tmp_path / "part"
     for args in ((full,), (part, "--set", "train.stop_at=15"), (part, "--resume", "--set", "train.stop_at=0")):
-        proc = run_cli("fit", demo_scene, "--config", config, "--out", *args)
-        assert proc.returncode == 0, proc.stderr
+        code, err = call_cli("fit", demo_scene, "--config", config, "--out", *args)
+        assert code == 0, err
     a = torch.load(full / "ckpt" / "step_30.pt", weights_only=True)
     b = torch.load(part / "ckpt" / "step_30.pt", weights_only=True)
     for key in a["params"]:
@@ -234,12 +234,12 @@ def test_resume_with_appearance_equals_the_uninterrupted_run_and_eval_reports_bo
 def test_render_says_its_images_are_raw(demo_scene, tmp_path):
     run = tmp_path / "run"
     shutil.rmtree(run, ignore_errors=True)
-    proc = run_cli("fit", demo_scene, "--out", run, "--steps", "4", "--device", "cpu",
-                   "--set", "train.appearance=affine", "--set", "log.eval_steps=[]")
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("render", run, "--path", "test", "--device", "cpu", "--out", tmp_path / "frames")
-    assert proc.returncode == 0, proc.stderr
-    assert "renders are raw" in proc.stderr and "train.appearance=affine" in proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "4", "--device", "cpu",
+                         "--set", "train.appearance=affine", "--set", "log.eval_steps=[]")
+    assert code == 0, err
+    code, err = call_cli("render", run, "--path", "test", "--device", "cpu", "--out", tmp_path / "frames")
+    assert code == 0, err
+    assert "renders are raw" in err and "train.appearance=affine" in err
 
     # gstrain view says so too, once it serves (then this test stops the process it started)
     import socket
@@ -319,8 +319,6 @@ def test_two_ranks_hold_one_table_equal_to_one_process_and_resume_it(demo_scene,
 
 
 def test_resume_cannot_switch_appearance_and_writes_nothing(demo_scene, tmp_path):
-    from cli_util import assert_one_error, call_cli
-
     run = tmp_path / "run"
     code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "2", "--device", "cpu",
                          "--set", "log.eval_steps=[]")  # fmt: skip

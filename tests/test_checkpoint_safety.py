@@ -14,7 +14,7 @@ from gstrain.errors import UserError
 from gstrain.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from gstrain.train.run_state import _rng_state, _set_rng_state
 from gstrain.train.state_file import UnsafeStateFile, load_state
-from tests.cli_util import assert_one_error, assert_user_error, call_cli, run_cli
+from tests.cli_util import assert_one_error, call_cli
 
 FIT = ("--device", "cpu", "--steps", "8", "--set", "model.init=random", "--set", "model.init_points=300",
        "--set", "log.eval_steps=[]", "--set", "log.save_steps=[]", "--set", "log.ckpt_every=4",
@@ -35,8 +35,8 @@ class CreatesFile:
 def trained(demo_scene, tmp_path_factory):
     """A single-process run with checkpoints at steps 4 and 8."""
     run = tmp_path_factory.mktemp("safety") / "run"
-    proc = run_cli("fit", demo_scene, "--out", run, *FIT)
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", run, *FIT)
+    assert code == 0, err
     return run
 
 
@@ -63,7 +63,7 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(trained, demo_scene, tmp
     target.unlink()
     before = (run / "ckpt" / "step_12.pt").read_bytes()
 
-    assert_user_error(run_cli("eval", run, "--device", "cpu"), "step_12.pt", "io.open", "could run code")
+    assert_one_error(*call_cli("eval", run, "--device", "cpu"), "step_12.pt", "io.open", "could run code")
     for args in (("export", run, "--out", tmp_path / "out.ply"),
                  ("fit", demo_scene, "--out", run, "--resume", "--device", "cpu")):  # fmt: skip
         code, err = call_cli(*args)

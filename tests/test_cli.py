@@ -12,7 +12,7 @@ from pathlib import Path
 import pycolmap
 import pytest
 import torch
-from cli_util import assert_user_error, call_cli, run_cli
+from cli_util import assert_one_error, assert_user_error, call_cli, run_cli
 
 from gstrain.train.checkpoint import list_checkpoints
 
@@ -37,24 +37,24 @@ def scene_copy(demo_scene: Path, tmp_path: Path) -> Path:
 
 
 def test_missing_scene(tmp_path):
-    assert_user_error(run_cli("fit", tmp_path / "nope"), "not found")
+    assert_one_error(*call_cli("fit", tmp_path / "nope"), "not found")
 
 
 def test_no_sparse_model(scene_copy):
     shutil.rmtree(scene_copy / "sparse")
-    assert_user_error(run_cli("fit", scene_copy), "sparse")
+    assert_one_error(*call_cli("fit", scene_copy), "sparse")
 
 
 def test_image_listed_but_missing(scene_copy):
     victim = sorted((scene_copy / "images").iterdir())[3]
     victim.unlink()
-    assert_user_error(run_cli("fit", scene_copy), victim.name)
+    assert_one_error(*call_cli("fit", scene_copy), victim.name)
 
 
 def test_corrupt_image(scene_copy):
     victim = sorted((scene_copy / "images").iterdir())[2]
     victim.write_bytes(b"\x89PNG garbage")
-    assert_user_error(run_cli("fit", scene_copy), victim.name)
+    assert_one_error(*call_cli("fit", scene_copy), victim.name)
 
 
 def test_empty_point_cloud(scene_copy, tmp_path):
@@ -63,7 +63,7 @@ def test_empty_point_cloud(scene_copy, tmp_path):
     for point_id in list(rec.point3D_ids()):
         rec.delete_point3D(point_id)
     rec.write(str(model_dir))
-    assert_user_error(run_cli("fit", scene_copy, "--out", tmp_path / "run"), "no 3D points", "model.init=random")
+    assert_one_error(*call_cli("fit", scene_copy, "--out", tmp_path / "run"), "no 3D points", "model.init=random")
 
 
 @pytest.mark.parametrize(
@@ -82,25 +82,25 @@ def test_empty_point_cloud(scene_copy, tmp_path):
     ],
 )
 def test_bad_flags(demo_scene, tmp_path, flags, needle):
-    assert_user_error(run_cli("fit", demo_scene, "--out", tmp_path / "r", *flags), needle)
+    assert_one_error(*call_cli("fit", demo_scene, "--out", tmp_path / "r", *flags), needle)
 
 
 def test_unknown_key_in_config_file(demo_scene, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("strategy:\n  grow_everything: true\n")
-    assert_user_error(run_cli("fit", demo_scene, "--config", cfg), "strategy.grow_everything")
+    assert_one_error(*call_cli("fit", demo_scene, "--config", cfg), "strategy.grow_everything")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_requested_without_gpu(demo_scene, tmp_path):
-    assert_user_error(run_cli("fit", demo_scene, "--device", "cuda", "--out", tmp_path / "r"), "no CUDA GPU")
-    assert_user_error(run_cli("fit", demo_scene, "--backend", "gsplat", "--out", tmp_path / "g"),
-                      "render.backend=gsplat needs a CUDA GPU")
+    assert_one_error(*call_cli("fit", demo_scene, "--device", "cuda", "--out", tmp_path / "r"), "no CUDA GPU")
+    assert_one_error(*call_cli("fit", demo_scene, "--backend", "gsplat", "--out", tmp_path / "g"),
+                     "render.backend=gsplat needs a CUDA GPU")
 
 
 def test_eval_and_export_on_non_run(tmp_path):
-    assert_user_error(run_cli("eval", tmp_path), "not a gstrain run")
-    assert_user_error(run_cli("export", tmp_path / "missing"), "not found")
+    assert_one_error(*call_cli("eval", tmp_path), "not a gstrain run")
+    assert_one_error(*call_cli("export", tmp_path / "missing"), "not found")
 
 
 def test_fit_eval_export_on_demo(demo_scene, tmp_path):
@@ -155,8 +155,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     for key, value in state["params"].items():
         assert torch.equal(params[key].detach(), value), key
 
-    again = run_cli("fit", demo_scene, "--out", run, "--steps", "10")
-    assert_user_error(again, "already holds a run")
+    assert_one_error(*call_cli("fit", demo_scene, "--out", run, "--steps", "10"), "already holds a run")
 
 
 # One uninterrupted 80-step run serves the resume and the pause tests (checkpoints every 40 steps
@@ -168,8 +167,8 @@ RESUME_ARGS = ["--steps", "80", "--seed", "3", *FAST, "--set", "strategy.refine_
 @pytest.fixture(scope="module")
 def full_80(demo_scene, tmp_path_factory) -> Path:
     full = tmp_path_factory.mktemp("full80") / "run"
-    proc = run_cli("fit", demo_scene, "--out", full, *RESUME_ARGS)
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", full, *RESUME_ARGS)
+    assert code == 0, err
     return full
 
 
@@ -179,8 +178,8 @@ def test_resume_matches_uninterrupted_run(demo_scene, tmp_path, full_80):
     full, part = full_80, tmp_path / "part"
     shutil.copytree(full, part)
     (part / "ckpt" / "step_80.pt").unlink()  # as if it had stopped right after step 40
-    proc = run_cli("fit", demo_scene, "--out", part, "--resume", *common)
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", part, "--resume", *common)
+    assert code == 0, err
     a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
     b = torch.load(part / "ckpt" / "step_80.pt", weights_only=False)
     assert a["step"] == b["step"] == 80
@@ -206,28 +205,28 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
     stop_at=0 then ends bit for bit where an unpaused 80-step run ends (the schedules span 80)."""
     common = [*RESUME_ARGS, "--set", "log.ckpt_every=0"]  # only the pause and the end write one
     full, paused = full_80, tmp_path / "paused"
-    proc = run_cli("fit", demo_scene, "--out", paused, *common, "--set", "train.stop_at=40")
-    assert proc.returncode == 0, proc.stderr
-    assert "paused at train.stop_at=40 of 80 steps" in proc.stderr and "--set train.stop_at=0" in proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", paused, *common, "--set", "train.stop_at=40")
+    assert code == 0, err
+    assert "paused at train.stop_at=40 of 80 steps" in err and "--set train.stop_at=0" in err
     summary = json.loads((paused / "train_summary.json").read_text())
     assert summary["status"] == "stopped" and summary["steps"] == 40
     assert summary["test_history"][-1]["step"] == 40 and summary["final_test_psnr"] is not None
     assert [s for s, _ in list_checkpoints(paused)] == [40]
     # resumed without lifting stop_at: nothing to train, the same pause reported again
-    proc = run_cli("fit", demo_scene, "--out", paused, "--resume")
-    assert proc.returncode == 0 and "paused at train.stop_at=40" in proc.stderr, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", paused, "--resume")
+    assert code == 0 and "paused at train.stop_at=40" in err, err
     assert json.loads((paused / "train_summary.json").read_text())["checkpoint"].endswith("step_40.pt")
 
-    proc = run_cli("fit", demo_scene, "--out", paused, "--resume", "--set", "train.stop_at=0")
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", paused, "--resume", "--set", "train.stop_at=0")
+    assert code == 0, err
     assert json.loads((paused / "train_summary.json").read_text())["status"] == "done"
     a = torch.load(full / "ckpt" / "step_80.pt", weights_only=False)
     b = torch.load(paused / "ckpt" / "step_80.pt", weights_only=False)
     for key in a["params"]:
         assert torch.equal(a["params"][key], b["params"][key]), key
 
-    bad = run_cli("fit", demo_scene, "--out", tmp_path / "bad", *common, "--set", "train.stop_at=81")
-    assert_user_error(bad, "train.stop_at must be 0 (off) or a step up to train.steps (80)")
+    bad = call_cli("fit", demo_scene, "--out", tmp_path / "bad", *common, "--set", "train.stop_at=81")
+    assert_one_error(*bad, "train.stop_at must be 0 (off) or a step up to train.steps (80)")
 
 
 def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
@@ -242,8 +241,8 @@ def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_profile_needs_a_gpu(demo_scene):
-    assert_user_error(run_cli("profile", demo_scene), "needs a CUDA GPU")
-    assert_user_error(run_cli("profile", demo_scene, "--switches"), "needs a CUDA GPU")
+    assert_one_error(*call_cli("profile", demo_scene), "needs a CUDA GPU")
+    assert_one_error(*call_cli("profile", demo_scene, "--switches"), "needs a CUDA GPU")
 
 
 def test_profile_bad_flags(demo_scene):

@@ -14,7 +14,7 @@ import torch
 
 plyfile = pytest.importorskip("plyfile")
 
-from cli_util import assert_user_error, run_cli  # noqa: E402
+from cli_util import assert_one_error, call_cli  # noqa: E402
 
 from gstrain.formats import export_gaussians  # noqa: E402
 
@@ -142,4 +142,4 @@ def test_compressed_ply_decodes_within_quantisation(tmp_path):
 
 
 def test_export_cli_rejects_unknown_format(tmp_path):
-    assert_user_error(run_cli("export", tmp_path, "--format", "obj"), "unsupported export format")
+    assert_one_error(*call_cli("export", tmp_path, "--format", "obj"), "unsupported export format")

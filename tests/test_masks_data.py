@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_one_error, call_cli
 from PIL import Image
 from test_data_colmap import write_scene
 
@@ -116,8 +116,7 @@ def test_wrong_size_mask_is_one_line_naming_the_file(masked_demo: Path, tmp_path
     Image.open(bad).resize((50, 64)).save(bad)
     with pytest.raises(UserError, match="003.png"):
         load_scene(root)
-    proc = run_cli("fit", root, "--out", tmp_path / "run", "--set", "train.steps=1", timeout=120)
-    assert_user_error(proc, str(bad), "50x64")
+    assert_one_error(*call_cli("fit", root, "--out", tmp_path / "run", "--set", "train.steps=1"), str(bad), "50x64")
 
 
 def test_mask_mode_is_validated() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_util import run_cli
+from cli_util import call_cli
 
 from conftest import SHARED_DATA
 from gstrain.config import Config
@@ -26,7 +26,8 @@ def test_workload_from_scene_and_from_run(demo_scene, tmp_path):
     assert len(scene_work.cameras) == 14 and scene_work.params["means"].shape[0] > 1000
 
     run = tmp_path / "run"
-    assert run_cli("fit", demo_scene, "--out", run, "--steps", "20").returncode == 0
+    code, err = call_cli("fit", demo_scene, "--out", run, "--steps", "20")
+    assert code == 0, err
     run_work = load_workload(run, Config(), cpu)
     state = torch.load(next((run / "ckpt").glob("*.pt")), weights_only=False)
     assert torch.equal(run_work.params["means"], state["params"]["means"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pycolmap
 import pytest
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_one_error, call_cli, run_cli
 from PIL import Image
 
 N_PHOTOS = 36
@@ -107,8 +107,9 @@ def test_photos_to_sfm_to_fit(photos: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     t0 = time.perf_counter()
     # factor 2 (80 px) halves the CPU time and also runs the loader's downscale on an SfM scene
-    proc = run_cli("fit", scene, "--steps", "150", "--factor", "2", "--out", run, "--set", "log.progress_every=10")
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", scene, "--steps", "150", "--factor", "2", "--out", run,
+                         "--set", "log.progress_every=10")
+    assert code == 0, err
     print(f"fit 150 steps: {time.perf_counter() - t0:.1f}s")
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["final_test_psnr"] > summary["initial_test_psnr"], summary
@@ -125,7 +126,7 @@ def test_rerun_same_photos_replaces_but_other_scene_needs_force(photos: Path, tm
     other.mkdir()
     (other / "notes.txt").write_text("someone else's work")
     for force in ([], ["--force"]):  # not gstrain's: refused, and named, even with --force
-        assert_user_error(run_cli("sfm", photos, other, *force), "did not write", "notes.txt")
+        assert_one_error(*call_cli("sfm", photos, other, *force), "did not write", "notes.txt")
     assert (other / "notes.txt").read_text() == "someone else's work"  # untouched
 
     # beside our own scene, the user's notes survive a --force that replaces the scene
@@ -134,7 +135,7 @@ def test_rerun_same_photos_replaces_but_other_scene_needs_force(photos: Path, tm
     fewer.mkdir()
     for p in sorted(photos.iterdir())[:-2]:
         (fewer / p.name).write_bytes(p.read_bytes())
-    assert_user_error(run_cli("sfm", fewer, scene), "earlier scene", "--force")
+    assert_one_error(*call_cli("sfm", fewer, scene), "earlier scene", "--force")
     forced = run_cli("sfm", fewer, scene, "--force", "--camera-model", "pinhole", "--max-size", "128")
     assert forced.returncode == 0, forced.stderr
     assert (scene / "notes.txt").read_text() == "the user's notes"
@@ -147,9 +148,9 @@ def test_no_readable_photos(tmp_path: Path) -> None:
     folder = tmp_path / "photos"
     folder.mkdir()
     (folder / "readme.txt").write_text("not a photo")
-    assert_user_error(run_cli("sfm", folder, tmp_path / "out"), "no readable photos", "no image files")
+    assert_one_error(*call_cli("sfm", folder, tmp_path / "out"), "no readable photos", "no image files")
     (folder / "broken.png").write_bytes(b"\x89PNG garbage")
-    assert_user_error(run_cli("sfm", folder, tmp_path / "out"), "no readable photos", "none readable")
+    assert_one_error(*call_cli("sfm", folder, tmp_path / "out"), "no readable photos", "none readable")
     assert not (tmp_path / "out").exists()
 
 
@@ -157,7 +158,7 @@ def test_single_photo(photos: Path, tmp_path: Path) -> None:
     folder = tmp_path / "one"
     folder.mkdir()
     (folder / "a.png").write_bytes((photos / "photo_000.png").read_bytes())
-    assert_user_error(run_cli("sfm", folder, tmp_path / "out"), "at least 2")
+    assert_one_error(*call_cli("sfm", folder, tmp_path / "out"), "at least 2")
 
 
 def test_fewer_than_two_register(tmp_path: Path) -> None:
@@ -166,7 +167,7 @@ def test_fewer_than_two_register(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     for i in range(3):  # unrelated random images: features, but nothing that verifies
         Image.fromarray(rng.integers(0, 256, (96, 96, 3), dtype=np.uint8)).save(folder / f"n{i}.png")
-    assert_user_error(run_cli("sfm", folder, tmp_path / "out"), "registered", "need at least 2")
+    assert_one_error(*call_cli("sfm", folder, tmp_path / "out"), "registered", "need at least 2")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # workspace cleaned up
 
@@ -181,13 +182,13 @@ def test_fewer_than_two_register(tmp_path: Path) -> None:
     ],
 )
 def test_bad_flags(photos: Path, tmp_path: Path, flags: list[str], needle: str) -> None:
-    assert_user_error(run_cli("sfm", photos, tmp_path / "out", *flags), needle)
+    assert_one_error(*call_cli("sfm", photos, tmp_path / "out", *flags), needle)
 
 
 def test_bad_paths(photos: Path, tmp_path: Path) -> None:
-    assert_user_error(run_cli("sfm", tmp_path / "nope", tmp_path / "out"), "not found")
+    assert_one_error(*call_cli("sfm", tmp_path / "nope", tmp_path / "out"), "not found")
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
-    assert_user_error(run_cli("sfm", photos, a_file), "not a folder")
+    assert_one_error(*call_cli("sfm", photos, a_file), "not a folder")
     # the photos inside the output folder: --force would delete them
-    assert_user_error(run_cli("sfm", photos, photos.parent, "--force"), "inside the output folder")
+    assert_one_error(*call_cli("sfm", photos, photos.parent, "--force"), "inside the output folder")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_util import run_cli
+from cli_util import call_cli
 
 from gstrain.train.checkpoint import list_checkpoints
 
@@ -52,18 +52,17 @@ def _interrupted(proc: subprocess.Popen) -> str:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> dict:
     run = tmp_path_factory.mktemp("signals") / "full"
-    proc = run_cli("fit", demo_scene, "--out", run, *COMMON)
-    assert proc.returncode == 0, proc.stderr
+    code, err = call_cli("fit", demo_scene, "--out", run, *COMMON)
+    assert code == 0, err
     return torch.load(run / "ckpt" / f"step_{STEPS}.pt", weights_only=False)
 
 
-def _resume_matches(run: Path, scene: Path, full: dict) -> str:
-    proc = run_cli("fit", scene, "--out", run, "--resume", *COMMON)
-    assert proc.returncode == 0, proc.stderr
+def _resume_matches(run: Path, scene: Path, full: dict) -> None:
+    code, err = call_cli("fit", scene, "--out", run, "--resume", *COMMON)
+    assert code == 0, err
     state = torch.load(run / "ckpt" / f"step_{STEPS}.pt", weights_only=False)
     for key in full["params"]:
         assert torch.equal(full["params"][key], state["params"][key]), key
-    return proc.stderr
 
 
 def test_ctrl_c_mid_run_then_resume_equals_uninterrupted(demo_scene: Path, tmp_path: Path, full_run: dict) -> None:

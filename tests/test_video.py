@@ -9,7 +9,7 @@ import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_one_error, call_cli, run_cli
 
 from gstrain.camera_paths import camera_path, focus_point, orbit_frame, parse_size, scale_camera
 from gstrain.config import RenderConfig
@@ -128,11 +128,11 @@ def test_render_depth_is_expected_depth() -> None:
 @pytest.fixture(scope="module")
 def tiny_run(demo_scene: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("render") / "run"
-    proc = run_cli(
+    code, err = call_cli(
         "fit", demo_scene, "--steps", "30", "--out", run,
         "--set", "log.progress_every=10", "--set", "model.sh_degree=1",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     return run
 
 
@@ -193,13 +193,13 @@ def test_render_depth_and_alpha_png_frames(tiny_run: Path, tmp_path: Path) -> No
 )
 def test_render_bad_flags(tiny_run: Path, tmp_path: Path, flags: list[str], needle: str) -> None:
     flags = [str(tmp_path / f) if f.endswith(".gif") else f for f in flags]
-    assert_user_error(run_cli("render", tiny_run, *flags), needle)
+    assert_one_error(*call_cli("render", tiny_run, *flags), needle)
 
 
 def test_render_bad_run_and_unwritable_out(tiny_run: Path, tmp_path: Path) -> None:
-    assert_user_error(run_cli("render", tmp_path), "not a gstrain run")
-    assert_user_error(run_cli("render", tmp_path / "nope"), "not found")
+    assert_one_error(*call_cli("render", tmp_path), "not a gstrain run")
+    assert_one_error(*call_cli("render", tmp_path / "nope"), "not found")
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a folder")
-    assert_user_error(run_cli("render", tiny_run, "--out", blocker / "video.mp4"), "cannot write")
-    assert_user_error(run_cli("render", tiny_run, "--out", blocker), "not a folder")
+    assert_one_error(*call_cli("render", tiny_run, "--out", blocker / "video.mp4"), "cannot write")
+    assert_one_error(*call_cli("render", tiny_run, "--out", blocker), "not a folder")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_util import assert_user_error, run_cli
+from cli_util import assert_one_error, call_cli
 from PIL import Image
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -41,13 +41,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("viewer")
-    proc = run_cli("demo-scene", root / "scene", "--views", "8", "--size", "64")
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli(
+    code, err = call_cli("demo-scene", root / "scene", "--views", "8", "--size", "64")
+    assert code == 0, err
+    code, err = call_cli(
         "fit", root / "scene", "--out", root / "run", "--steps", "40", "--device", "cpu",
         "--set", "model.sh_degree=1", "--set", "log.eval_steps=[40]", "--set", "log.save_steps=[40]",
     )
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     return root / "run"
 
 
@@ -165,11 +165,11 @@ def test_view_draws_the_scene_in_chromium(trained_run, tmp_path):
 
 
 def test_view_bad_input(tmp_path, trained_run):
-    assert_user_error(run_cli("view", tmp_path, "--port", str(_free_port())), "not a gstrain run")
+    assert_one_error(*call_cli("view", tmp_path, "--port", str(_free_port())), "not a gstrain run")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        assert_user_error(run_cli("view", trained_run, "--port", str(busy.getsockname()[1])), "cannot listen")
+        assert_one_error(*call_cli("view", trained_run, "--port", str(busy.getsockname()[1])), "cannot listen")
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")

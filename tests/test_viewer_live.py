@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("viser")
 
-from cli_util import assert_user_error, run_cli  # noqa: E402
+from cli_util import assert_one_error, call_cli, run_cli  # noqa: E402
 
 from gstrain.config import build_config  # noqa: E402
 from gstrain.data.colmap import load_scene  # noqa: E402
@@ -91,9 +91,9 @@ def test_fit_viewer_trains_and_rejects_busy_port(demo_scene, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = run_cli("fit", demo_scene, "--out", tmp_path / "bad", "--steps", "2", "--device", "cpu",
-                       "--viewer", "--set", f"viewer.port={port}")
-        assert_user_error(proc, "cannot listen")
+        code, err = call_cli("fit", demo_scene, "--out", tmp_path / "bad", "--steps", "2", "--device", "cpu",
+                             "--viewer", "--set", f"viewer.port={port}")
+        assert_one_error(code, err, "cannot listen")
         assert not (tmp_path / "bad").exists()
     proc = run_cli("fit", demo_scene, "--out", tmp_path / "run", "--steps", "10", "--device", "cpu", "--viewer",
                    "--set", f"viewer.port={_free_port()}", "--set", "viewer.refresh_every=5",
