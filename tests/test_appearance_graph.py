@@ -176,6 +176,7 @@ def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path,
 
     # the scene's Adam counts are not under test here (tests/test_graph_step.py): held at zero
     monkeypatch.setattr(graph_step.fused_adam, "advance", lambda optimizers: [0.0] * (2 * len(optimizers)))
+    monkeypatch.setattr(graph_step.fused_adam, "step_counts", lambda optimizers: [0.0] * len(optimizers))
     monkeypatch.setattr(graph_step.fused_adam, "rewind", lambda optimizers, steps: None)
     trainer = _cpu_trainer(demo_scene, tmp_path)
     engine = graph_step.GraphEngine(trainer.ctx)

@@ -11,7 +11,8 @@ import copy
 import pytest
 import torch
 
-from gstrain.config import OptimConfig, build_config
+from bench.graph_cases import graph_trainer
+from gstrain.config import OptimConfig
 from gstrain.data.colmap import load_scene
 from gstrain.train import bf16_moments as bm
 from gstrain.train.optim import build_optimizers
@@ -112,13 +113,9 @@ def test_graph_replays_read_the_step_count_from_the_device():
 
 
 def _trainer(scene, root, graphs: bool) -> Trainer:
-    cfg = build_config(overrides=[{
-        "train": {"steps": 500, "device": "cuda"}, "optim": {"moments": "bf16"}, "dev": {"cuda_graphs": graphs},
-        "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15},
-    }])  # fmt: skip
-    trainer = Trainer(cfg, scene, root / ("g" if graphs else "e"), torch.device("cuda"), log=lambda m: None)
-    trainer.timer.enabled = False
-    return trainer
+    # the engine tests' trainer: atomic mode warp, since ARC's tuning rounds (the default mode) run
+    # eagerly and would leave a thirty-step run without a capture
+    return graph_trainer(scene, root, "g" if graphs else "e", graphs=graphs, optim={"moments": "bf16"})
 
 
 def test_graph_engine_trains_with_bf16_moments_as_eager_steps(demo_scene, tmp_path):
