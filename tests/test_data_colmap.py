@@ -338,3 +338,24 @@ def test_real_beer_scene_factor_8() -> None:
     K = view.K.double().numpy()
     keypoints = normalised @ K[:2, :2].T + K[:2, 2]
     assert np.median(np.linalg.norm(keypoints - uv, axis=1)) < 0.3
+
+
+def test_points_come_in_id_order_with_their_colours() -> None:
+    """_read_points: positions and colours in point-id order whatever order the model holds them in."""
+    import numpy as np
+    import pycolmap
+
+    from gstrain.data.colmap import _read_points
+
+    rec = pycolmap.Reconstruction()
+    for pid in (9, 2, 5):
+        point = pycolmap.Point3D()
+        point.xyz = np.array([pid, -pid, 0.5 * pid], dtype=np.float64)
+        point.color = np.array([pid, 10 * pid, 20 * pid], dtype=np.uint8)
+        rec.add_point3D_with_id(pid, point)
+    xyz, rgb = _read_points(rec)
+    assert xyz.dtype == np.float32 and rgb.dtype == np.uint8
+    assert xyz.tolist() == [[2, -2, 1], [5, -5, 2.5], [9, -9, 4.5]]
+    assert rgb.tolist() == [[2, 20, 40], [5, 50, 100], [9, 90, 180]]
+    empty_xyz, empty_rgb = _read_points(pycolmap.Reconstruction())
+    assert empty_xyz.shape == (0, 3) and empty_rgb.shape == (0, 3)

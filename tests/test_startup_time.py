@@ -29,8 +29,9 @@ def test_fit_records_its_startup_between_launch_and_exit(demo_scene, tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     startup, phases = summary["startup_seconds"], summary["startup_phases"]
     assert 0.3 < startup < wall, (startup, wall)  # the imports alone take longer than 0.3 s
-    assert set(phases) == {"interpreter, imports and config", "scene", "renderer (CUDA context, kernels)", "images",
-                           "initial model", "step-0 evaluation", "other"}, phases
+    assert set(phases) == {"interpreter, imports and config", "scene", "renderer (CUDA context, kernels)",
+                           "images", "initial model", "optimizers, strategy and step engine", "step-0 evaluation",
+                           "other"}, phases
     assert all(v >= 0 for v in phases.values()), phases
     # every phase is a part of the whole: the named ones leave a non-negative remainder ("other")
     assert abs(sum(phases.values()) - startup) < 0.05, (phases, startup)

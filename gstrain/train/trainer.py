@@ -110,6 +110,7 @@ class Trainer(RunReporting):
         began = time.perf_counter()
         params = self._initial_params()
         self.setup_seconds["initial model"] = time.perf_counter() - began
+        began = time.perf_counter()
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
         on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
         pool = held_pool_margin(cfg, self.renderer, device, views.masks)  # graphs' pool beside eager steps
@@ -140,6 +141,7 @@ class Trainer(RunReporting):
         if graph_refusers(self.ctx.corrections) and engine != "graph" and cfg.dev.cuda_graphs and device.type == "cuda":
             log(engine_note(self.ctx.corrections, engine))
         self.engine: StepEngine = build_engine(engine, self.ctx)
+        self.setup_seconds["optimizers, strategy and step engine"] = time.perf_counter() - began
         self._viewer = None  # gstrain.viewer.live.LiveViewer for fit --viewer (set by the CLI)
         self.watch_every = 0  # fit --viewer under several ranks: steps between the whole-model refreshes
         self.record = RunRecord()  # what this process reports in train_summary.json
