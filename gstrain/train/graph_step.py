@@ -99,6 +99,7 @@ class GraphEngine:
         # Adam's pairs and step counts (fused_adam.graph_scalars), then the step's tag
         n_scalars = fused_adam.graph_scalars(len(ctx.optimizers)) + 1
         self.scalars = torch.zeros(n_scalars, device=self.device)
+        self.counts_steps = ctx.cfg.optim.moments != "fp32"
         # the tag and flag every slot's budget shares (its capacity unused: each slot has its own)
         self.budget = PairBudget.on(self.device, 0, tag=self.scalars[-1:])
         self.shapes = ctx.views.shapes()  # read once: a store's shapes come without fetching
@@ -249,8 +250,10 @@ class GraphEngine:
         if done is not None:
             done.synchronize()  # the ring's slot is free once its copy has run: at most INFLIGHT ahead
         host = self.pinned[self.slot]
-        host[:-1] = torch.tensor(fused_adam.advance(t.optimizers) + fused_adam.step_counts(t.optimizers),
-                                 dtype=torch.float32)
+        values = fused_adam.advance(t.optimizers)
+        if self.counts_steps:  # only bfloat16 moments' rounding reads the step counts
+            values += fused_adam.step_counts(t.optimizers)
+        host[: len(values)] = torch.tensor(values, dtype=torch.float32)
         host[-1] = float(step + 1)
         self.scalars.copy_(host, non_blocking=True)
         corrections.advance(t.corrections, step)
