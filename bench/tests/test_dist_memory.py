@@ -46,12 +46,18 @@ def test_table_reports_the_largest_rank_against_one_process():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc peak RSS")
 def test_cpu_probe_peak_resets_and_sees_a_new_allocation():
+    import mmap
+
     probe = dist_memory.MemoryProbe(torch.device("cpu"))
     assert probe.reset()
     before = probe.peak()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, each touched: a heap allocation could reuse pages an earlier
+    # test in this worker freed but the allocator kept resident, and then the peak would not move
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     after = probe.peak()
-    del block
+    block.close()
     assert after - before >= 60 * 2**20
     assert probe.reset() and probe.peak() < after  # the mark came back down to the current RSS
 
