@@ -359,3 +359,26 @@ def test_points_come_in_id_order_with_their_colours() -> None:
     assert rgb.tolist() == [[2, 20, 40], [5, 50, 100], [9, 90, 180]]
     empty_xyz, empty_rgb = _read_points(pycolmap.Reconstruction())
     assert empty_xyz.shape == (0, 3) and empty_rgb.shape == (0, 3)
+
+
+def test_many_points_read_in_bulk_equal_the_per_point_lookup() -> None:
+    """The bulk (PLY export) path is taken and gives, in id order, exactly what asking pycolmap for
+    each point gives: float32 positions rounded from its float64, and the colours."""
+    import numpy as np
+    import pycolmap
+
+    from gstrain.data.colmap import _points_through_ply, _read_points
+
+    rng = np.random.default_rng(3)
+    rec = pycolmap.Reconstruction()
+    ids = rng.permutation(np.arange(1, 3001)) * 5 + 11
+    for pid in ids:
+        point = pycolmap.Point3D()
+        point.xyz = rng.normal(scale=50.0, size=3)
+        point.color = rng.integers(0, 256, 3).astype(np.uint8)
+        rec.add_point3D_with_id(int(pid), point)
+    assert _points_through_ply(rec) is not None
+    xyz, rgb = _read_points(rec)
+    expect = sorted(ids.tolist())
+    assert xyz.tolist() == [rec.point3D(p).xyz.astype(np.float32).tolist() for p in expect]
+    assert rgb.tolist() == [rec.point3D(p).color.tolist() for p in expect]
