@@ -4,7 +4,6 @@ blocks bound each query's search box (knn_sq_dists)."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -17,13 +16,10 @@ LONE_POINT_DIST = 1.0
 
 _KNN_BLOCK = 512  # queries per block, consecutive along a Morton curve
 _KNN_BUDGET = 1 << 22  # max elements of one distance matrix (32 MiB of float64)
+# On a GPU a block's ops cost launches and a few host syncs, not arithmetic: far fewer, larger blocks
+_GPU_KNN_BLOCK = 8192
+_GPU_KNN_BUDGET = 1 << 26  # 512 MiB of float64
 MORTON_BITS = 21  # per axis: 63-bit codes fit int64
-
-
-def idle_cores() -> int:
-    """The cores this process may run on (at most 16): start-up work that leaves the GPU waiting uses them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(16, cores))
 
 
 def knn_rms_distance(points: Tensor, k: int = 3, workers: int = 1) -> Tensor:
@@ -51,6 +47,8 @@ def knn_sq_dists(points: Tensor, k: int, workers: int = 1) -> Tensor:
     n = points.shape[0]
     if not 0 < k < n:
         raise ValueError(f"need 0 < k < N, got k={k}, N={n}")
+    if points.is_cuda:  # the same search on the device, in large blocks (no threads: one stream)
+        return _knn_sq_dists(points.detach().float(), k, 1, _GPU_KNN_BLOCK, _GPU_KNN_BUDGET)
     # Many small ops: intra-op threads only add sync overhead here (5-10x slower when the cores
     # are shared), so run single-threaded and restore the caller's setting.
     threads = torch.get_num_threads()
@@ -61,18 +59,18 @@ def knn_sq_dists(points: Tensor, k: int, workers: int = 1) -> Tensor:
         torch.set_num_threads(threads)
 
 
-def _knn_sq_dists(pts: Tensor, k: int, workers: int = 1) -> Tensor:
+def _knn_sq_dists(pts: Tensor, k: int, workers: int = 1, block: int = _KNN_BLOCK, budget: int = _KNN_BUDGET) -> Tensor:
     n = pts.shape[0]
     order = torch.argsort(morton_codes(pts))
     sorted_pts = pts[order]
     axis_vals, axis_order = pts.T.contiguous().sort(dim=1)
-    out = torch.empty(n, k)
-    starts = list(range(0, n, _KNN_BLOCK))
+    out = torch.empty(n, k, device=pts.device)
+    starts = list(range(0, n, block))
     workers = max(1, min(int(workers), len(starts)))
 
     def blocks(first: int) -> None:
         for start in starts[first::workers]:
-            _knn_block(pts, sorted_pts, order, axis_vals, axis_order, out, start, k)
+            _knn_block(pts, sorted_pts, order, axis_vals, axis_order, out, start, k, block, budget)
 
     if workers == 1:
         blocks(0)
@@ -84,10 +82,10 @@ def _knn_sq_dists(pts: Tensor, k: int, workers: int = 1) -> Tensor:
 
 
 def _knn_block(pts: Tensor, sorted_pts: Tensor, order: Tensor, axis_vals: Tensor, axis_order: Tensor,
-               out: Tensor, start: int, k: int) -> None:  # fmt: skip
+               out: Tensor, start: int, k: int, block: int, budget: int) -> None:  # fmt: skip
     """The k nearest of the Morton block of queries from `start` on, into their rows of `out`."""
-    q_idx = order[start:start + _KNN_BLOCK]
-    q = sorted_pts[start:start + _KNN_BLOCK]
+    q_idx = order[start:start + block]
+    q = sorted_pts[start:start + block]
     # Upper bound of each query's k-th distance from within the block (inf when too few).
     if q.shape[0] > k:
         # Direct differences (not cdist's matmul) so the bound is not below the true value.
@@ -95,7 +93,7 @@ def _knn_block(pts: Tensor, sorted_pts: Tensor, order: Tensor, axis_vals: Tensor
         own.fill_diagonal_(float("inf"))
         r = own.topk(k, dim=1, largest=False).values[:, -1:] * (1.0 + 1e-5)
     else:
-        r = torch.full((q.shape[0], 1), float("inf"))
+        r = torch.full((q.shape[0], 1), float("inf"), device=q.device)
     # Split a group in halves (still Morton-adjacent) while its box holds many candidates:
     # a few sparse outliers in a block must not make it search the whole dense core.
     stack = [(q_idx, q, r)]
@@ -109,7 +107,7 @@ def _knn_block(pts: Tensor, sorted_pts: Tensor, order: Tensor, axis_vals: Tensor
             h = m // 2
             stack += [(gi[:h], gq[:h], gr[:h]), (gi[h:], gq[h:], gr[h:])]
             continue
-        out[gi] = _knn_against(pts, gi, c_idx, k)
+        out[gi] = _knn_against(pts, gi, c_idx, k, budget)
 
 
 def _box_candidates(pts: Tensor, axis_vals: Tensor, axis_order: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
@@ -122,7 +120,7 @@ def _box_candidates(pts: Tensor, axis_vals: Tensor, axis_order: Tensor, lo: Tens
     return slab[((sp >= lo) & (sp <= hi)).all(dim=1)]
 
 
-def _knn_against(pts: Tensor, q_idx: Tensor, c_idx: Tensor, k: int) -> Tensor:
+def _knn_against(pts: Tensor, q_idx: Tensor, c_idx: Tensor, k: int, budget: int) -> Tensor:
     """Squared distances from pts[q_idx] to their k nearest in pts[c_idx], excluding self."""
     q = pts[q_idx]
     c = pts[c_idx]
@@ -131,7 +129,7 @@ def _knn_against(pts: Tensor, q_idx: Tensor, c_idx: Tensor, k: int) -> Tensor:
     centre = q.mean(dim=0)
     qc = (q - centre).double()
     cc = (c - centre).double()
-    rows = max(1, _KNN_BUDGET // max(1, c.shape[0]))
+    rows = max(1, budget // max(1, c.shape[0]))
     result = []
     for s in range(0, q.shape[0], rows):
         d = torch.cdist(qc[s:s + rows], cc)

@@ -256,3 +256,33 @@ def test_load_ply_rejects_odd_sh_count(tmp_path):
     path.write_bytes(header.encode() + b"\0" * 4 * len(names))
     with pytest.raises(UserError, match="SH degree"):
         load_ply(path)
+
+
+def _brute_knn_sq(pts: torch.Tensor, k: int) -> torch.Tensor:
+    d = torch.cdist(pts.double(), pts.double()).fill_diagonal_(float("inf"))
+    return d.topk(k, dim=1, largest=False).values.square()
+
+
+def test_knn_in_large_blocks_matches_brute_force():
+    """The GPU's parameters (few large blocks, a larger distance budget), run on the CPU: exact."""
+    from gstrain.knn import _knn_sq_dists
+
+    g = torch.Generator().manual_seed(2)
+    core = torch.randn(5000, 3, generator=g) * torch.tensor([3.0, 0.2, 3.0])
+    far = torch.randn(100, 3, generator=g) * 50 + 300
+    pts = torch.cat([core, far])
+    got = _knn_sq_dists(pts, 3, 1, block=4096, budget=1 << 24)
+    assert torch.allclose(got.double(), _brute_knn_sq(pts, 3), rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.cuda
+def test_knn_on_the_gpu_matches_brute_force():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(4)
+    core = torch.randn(20000, 3, generator=g) * torch.tensor([5.0, 5.0, 0.05])
+    far = torch.randn(300, 3, generator=g) * 100 + 1000
+    pts = torch.cat([core, far])
+    got = knn_sq_dists(pts.cuda(), 3)
+    assert got.is_cuda
+    assert torch.allclose(got.cpu().double(), _brute_knn_sq(pts, 3), rtol=1e-4, atol=1e-8)
