@@ -147,6 +147,7 @@ def _validate_ranges(cfg: Config) -> None:
         raise UserError(f"model.init_scale must be > 0; got {cfg.model.init_scale}")
     if not all(0.0 <= c <= 1.0 for c in cfg.data.background):
         raise UserError(f"data.background must be three numbers in [0, 1]; got {cfg.data.background}")
-    for key in ("eval_steps", "save_steps"):
-        if any(s < 1 for s in getattr(cfg.log, key)):
-            raise UserError(f"log.{key} must list steps >= 1; got {getattr(cfg.log, key)}")
+    if any(s < 0 for s in cfg.log.eval_steps):
+        raise UserError(f"log.eval_steps must list steps >= 0 (0: the initial model); got {cfg.log.eval_steps}")
+    if any(s < 1 for s in cfg.log.save_steps):
+        raise UserError(f"log.save_steps must list steps >= 1; got {cfg.log.save_steps}")

@@ -107,7 +107,8 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     run = tmp_path / "run"
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "150", "--seed", "1", *FAST,
                    "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
-                   "--set", "log.ckpt_every=50", "--set", "dev.time_every=25")  # six timed steps
+                   "--set", "log.ckpt_every=50", "--set", "dev.time_every=25",  # six timed steps
+                   "--set", "log.eval_steps=[0]")  # the initial model too
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["status"] == "done" and summary["steps"] == 150
@@ -232,7 +233,7 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
 def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
     run = tmp_path / "beer"
     proc = run_cli("fit", beer_scene, "--factor", "8", "--steps", "150", "--out", run, *FAST,
-                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50")
+                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50", "--set", "log.eval_steps=[0]")
     assert proc.returncode == 0, proc.stderr
     assert "undistorted" in proc.stderr.lower()  # SIMPLE_RADIAL cameras are undistorted, and it says so
     summary = json.loads((run / "train_summary.json").read_text())

@@ -30,7 +30,7 @@ def test_shipped_configs_load(name):
 
 def test_shipped_configs_say_what_they_are_for():
     demo, mcmc = (build_config([REPO / "configs" / n]) for n in ("demo.yaml", "mcmc.yaml"))
-    assert (demo.train.steps, demo.model.sh_degree, demo.log.eval_steps) == (1000, 1, [1000])
+    assert (demo.train.steps, demo.model.sh_degree, demo.log.eval_steps) == (1000, 1, [0, 1000])
     assert (mcmc.strategy.name, mcmc.strategy.cap_max, mcmc.model.init_opacity) == ("mcmc", 1_000_000, 0.5)
 
 

@@ -17,7 +17,7 @@ def test_fit_and_eval_on_cuda_with_arc(demo_scene, tmp_path):
     run = tmp_path / "run"
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--device", "cuda",
                    "--atomic-mode", "arc", "--set", "strategy.refine_start=50",
-                   "--set", "strategy.refine_every=50", "--set", "log.tb_every=50")
+                   "--set", "strategy.refine_every=50", "--set", "log.tb_every=50", "--set", "log.eval_steps=[0]")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["backend"] == "cuda" and summary["atomic_mode"] == "arc"

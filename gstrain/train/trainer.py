@@ -334,9 +334,12 @@ class Trainer(RunReporting):
         end = cfg.train.stop_at or total
         start_step = self.step
         self.record = RunRecord(first_step=start_step, max_gaussians=self.gaussian_count())
-        began = time.perf_counter()
-        initial = self._evaluate(0) if start_step == 0 else None
-        self.record.startup_phases = {**self.setup_seconds, "step-0 evaluation": time.perf_counter() - began}
+        self.record.startup_phases = dict(self.setup_seconds)
+        initial = None
+        if start_step == 0 and 0 in cfg.log.eval_steps:  # asked for: the first step waits for it
+            began = time.perf_counter()
+            initial = self._evaluate(0)
+            self.record.startup_phases["step-0 evaluation"] = time.perf_counter() - began
         eval_steps = set(cfg.log.eval_steps) | {end}
         save_steps = set(cfg.log.save_steps) | {end}
         last_psnr = float("nan")
