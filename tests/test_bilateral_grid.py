@@ -110,6 +110,26 @@ def test_slicing_gradients_pass_gradcheck():
     assert torch.autograd.gradcheck(apply_grid, (image, grid), eps=1e-6, atol=1e-7)
 
 
+def test_on_a_canvas_the_view_part_is_sliced_as_the_view_alone():
+    """A CUDA-graph canvas step renders a view into the top-left (width, height) of a larger image
+    (StepView.valid): the view's pixels get the transforms they get on an image of their own."""
+    gen = torch.Generator().manual_seed(5)
+    grid = torch.randn(12, *GRID, generator=gen)
+    view = torch.rand(7, 9, 3, generator=gen)
+    canvas = torch.rand(12, 16, 3, generator=gen)
+    canvas[:7, :9] = view
+    valid = torch.tensor([9, 7], dtype=torch.int32)  # (width, height)
+    alone = apply_grid(view, grid)
+    torch.testing.assert_close(apply_grid(canvas, grid, valid)[:7, :9], alone, rtol=0, atol=1e-5)
+    # positions matter: sliced by the canvas's size the view's pixels would get other transforms
+    assert (apply_grid(canvas, grid)[:7, :9] - alone).abs().max() > 0.1
+    model = _model()
+    with torch.no_grad():
+        model.table[1] = grid
+    slot = StepView(torch.eye(4), torch.eye(3), canvas, valid=valid, slot=torch.tensor([1], dtype=torch.int32))
+    torch.testing.assert_close(model.image(canvas, slot)[:7, :9], alone, rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------- the regulariser
 def _tv_by_definition(table: torch.Tensor) -> torch.Tensor:
     """Sum over the luminance, y and x axes of the mean squared difference of neighbours."""

@@ -84,8 +84,8 @@ class AffineAppearance(ViewTable):
     def __init__(self, n_views: int, device: torch.device, lr: float, decay: float = 0.0, start: int = 0) -> None:
         super().__init__(identity_table(n_views, device), identity_table(n_views, device), lr, decay, start)
 
-    def apply(self, image: Tensor, row: Tensor) -> Tensor:
-        return apply_affine(image, row)
+    def apply(self, image: Tensor, row: Tensor, valid: Tensor | None = None) -> Tensor:
+        return apply_affine(image, row)  # the same transform at every pixel: the canvas changes nothing
 
 
 def build_corrections(cfg: Any, n_views: int, device: torch.device) -> list[Any]:

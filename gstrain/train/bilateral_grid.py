@@ -13,7 +13,8 @@ The table: [views, 12, L, Y, X], channel 4 * r + c holding entry (r, c) of the [
 cell initialised to [I | 0] (a run starts as without it). A pixel at column px of W sits at grid x
 (px + 0.5) / W * (X - 1) (pixel centres; the grid's first and last cells at the image's edges), y
 likewise, and luminance (0.299 R + 0.587 G + 0.114 B of the render, clamped to [0, 1]) at
-luminance * (L - 1). F.grid_sample does the trilinear blend (align_corners=True, border padding),
+luminance * (L - 1) (on a CUDA-graph canvas, positions within the view's valid part:
+StepView.valid). F.grid_sample does the trilinear blend (align_corners=True, border padding),
 on the CPU and the GPU alike, and its backward gives the table's gradient.
 
 The regulariser: train.bilateral_tv times the total variation of the whole table, the sum over
@@ -48,12 +49,19 @@ def luminance(image: Tensor) -> Tensor:
     return image[..., 0] * LUMA_R + image[..., 1] * LUMA_G + image[..., 2] * LUMA_B
 
 
-def slice_grid(grid: Tensor, image: Tensor) -> Tensor:
-    """grid [12, L, Y, X], image [H, W, 3] -> each pixel's blended transform [H, W, 3, 4]."""
+def slice_grid(grid: Tensor, image: Tensor, valid: Tensor | None = None) -> Tensor:
+    """grid [12, L, Y, X], image [H, W, 3] -> each pixel's blended transform [H, W, 3, 4]. valid
+    ([2] int32 (width, height) on the device, StepView.valid): the image is a canvas whose top-left
+    part is the view, so positions are the view's (the rest lies past the grid's edge, clamped)."""
     height, width = image.shape[:2]
     kw = {"device": image.device, "dtype": image.dtype}
-    xs = (torch.arange(width, **kw) + 0.5) * (2.0 / width) - 1.0
-    ys = (torch.arange(height, **kw) + 0.5) * (2.0 / height) - 1.0
+    if valid is None:
+        step_x, step_y = 2.0 / width, 2.0 / height
+    else:  # read on the device: a captured step serves views of every size
+        steps = 2.0 / valid.to(image.dtype)
+        step_x, step_y = steps[0], steps[1]
+    xs = (torch.arange(width, **kw) + 0.5) * step_x - 1.0
+    ys = (torch.arange(height, **kw) + 0.5) * step_y - 1.0
     guide = luminance(image).clamp(0.0, 1.0) * 2.0 - 1.0
     # grid_sample's last axis is (x, y, z) -> the input's (W, H, D) = the table's (X, Y, L)
     coords = torch.stack([xs.expand(height, width), ys[:, None].expand(height, width), guide], dim=-1)
@@ -62,9 +70,10 @@ def slice_grid(grid: Tensor, image: Tensor) -> Tensor:
     return blended[0, :, 0].permute(1, 2, 0).reshape(height, width, 3, 4)
 
 
-def apply_grid(image: Tensor, grid: Tensor) -> Tensor:
-    """A(x, y, lum) @ rgb + b(x, y, lum) per pixel: image [H, W, 3], grid [12, L, Y, X]."""
-    transform = slice_grid(grid, image)
+def apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None = None) -> Tensor:
+    """A(x, y, lum) @ rgb + b(x, y, lum) per pixel: image [H, W, 3], grid [12, L, Y, X] (valid: as
+    slice_grid)."""
+    transform = slice_grid(grid, image, valid)
     return (transform[..., :3] * image[..., None, :]).sum(-1) + transform[..., 3]
 
 
@@ -100,8 +109,8 @@ class BilateralAppearance(ViewTable):
         super().__init__(identity_grids(n_views, grid, device), identity_grids(1, grid, device), lr, decay, start)
         self.tv = float(tv)
 
-    def apply(self, image: Tensor, row: Tensor) -> Tensor:
-        return apply_grid(image, row)
+    def apply(self, image: Tensor, row: Tensor, valid: Tensor | None = None) -> Tensor:
+        return apply_grid(image, row, valid)
 
     def regulariser_grad(self) -> Tensor | None:
         if not self.tv:

@@ -42,8 +42,9 @@ class ViewTable:
         self._skip: Tensor | None = None  # the skip flag while a CUDA graph of the step is captured
 
     # ------------------------------------------------------------ what a model defines
-    def apply(self, image: Tensor, row: Tensor) -> Tensor:
-        """The render [H, W, 3] through one view's row of the table."""
+    def apply(self, image: Tensor, row: Tensor, valid: Tensor | None = None) -> Tensor:
+        """The render [H, W, 3] through one view's row of the table (valid: StepView.valid, the
+        view's (width, height) when the render is a canvas; a model that reads positions needs it)."""
         raise NotImplementedError
 
     def regulariser_grad(self) -> Tensor | None:
@@ -57,10 +58,10 @@ class ViewTable:
 
     def image(self, image: Tensor, view: StepView) -> Tensor:
         if view.slot is not None:  # a captured step: the row chosen on the device
-            return self.apply(image, self.table.index_select(0, view.slot.reshape(1).long())[0])
+            return self.apply(image, self.table.index_select(0, view.slot.reshape(1).long())[0], view.valid)
         if view.index is None:  # not a training view: nothing learned for it
             return image
-        return self.apply(image, self.table[view.index])
+        return self.apply(image, self.table[view.index], view.valid)
 
     def after_step(self, step: int) -> None:
         if step < self.start:  # warm-up: the table stays identity while the scene settles
