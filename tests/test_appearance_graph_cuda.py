@@ -1,7 +1,8 @@
 """train.appearance=affine and =bilateral on the CUDA-graph engine: graph steps (the table's row
-picked on the device, its Adam captured with device scalars; the grids' TV gradient too) compute the eager steps' function, on one image
-size and on the canvas (views of four sizes), with and without overflow redos, across the warm-up's
-end (appearance_start: a new epoch, captured again). The host side: tests/test_appearance_graph.py.
+picked on the device, its Adam captured with device scalars; the grids' TV gradient too) compute
+the eager steps' function, on one image size and on the canvas (views of four sizes), with and
+without overflow redos, across the warm-up's end (appearance_start: a new epoch, captured again).
+The host side: tests/test_appearance_graph.py.
 Run by bench/gpu_tests.sh."""
 
 from __future__ import annotations
