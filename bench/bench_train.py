@@ -10,7 +10,8 @@ features, on one scene, several seeds. Prints a markdown table; writes bench_tra
   gsplat-raster, conv-ssim, torch-adam, gsplat-stats, no-cull   gstrain with that one feature off
   sparse-adam   gstrain plus Adam over the visible Gaussians only
   no-cull       gstrain without dev.ellipse_cull (the culled tile intersection; on by default)
-  appearance, antialiased, filter3d, pose-refine   gstrain with that real-capture feature on
+  appearance, bilateral, antialiased, filter3d, pose-refine   gstrain with that real-capture feature on
+             (appearance: the per-image affine; bilateral: the per-image bilateral grid)
   issue19-off   gstrain with issue 19's switches off (ellipse cull, CUDA graph steps, fused SH colours):
                 how gstrain trained when issue 19 was filed, less the kernel changes that have no
                 switch and compute the same function (the quality side of that issue's paired study)
@@ -69,6 +70,7 @@ PIPELINES = {
     # the real-capture features, one at a time on top of the defaults: the paired runs that choose
     # which of them should be on by default
     "appearance": ["--atomic-mode", "arc", "--set", "train.appearance=affine"],
+    "bilateral": ["--atomic-mode", "arc", "--set", "train.appearance=bilateral"],
     "antialiased": ["--atomic-mode", "arc", "--set", "render.antialiased=true"],
     "filter3d": ["--atomic-mode", "arc", "--set", "render.filter_3d=0.2"],
     "pose-refine": ["--atomic-mode", "arc", "--set", "train.pose_refine=true"],

@@ -10,7 +10,11 @@ run of its own would (its densification too: the Gaussian counts at the end are 
 the ratios).
 
     python -m bench.feature_cost SCENE --variant NAME=KEY=VALUE[,KEY=VALUE] [--variant ...]
-                                 [--steps 2000] [--block 100] [--set KEY=VALUE ...]
+                                 [--pipeline NAME ...] [--steps 2000] [--block 100] [--set KEY=VALUE ...]
+
+--pipeline NAME: bench/bench_train.py's pipeline of that name as a variant (its --set,
+--atomic-mode and --backend flags as overrides), e.g. `--pipeline appearance --pipeline bilateral`
+times the per-image affine and the bilateral grid against the defaults in one call.
 
 Prints ms per step and the ratio to the defaults (total and median of the block ratios) for each
 variant, and the engine each ran. Writes `$OUT/feature_cost.json` when OUT is set.
@@ -37,14 +41,33 @@ def _variant(text: str) -> tuple[str, list[str]]:
     return name, sets.split(",")
 
 
+def pipeline_variant(name: str) -> tuple[str, list[str]]:
+    """bench_train's pipeline `name` as (name, overrides): its flags, which name config keys, as KEY=VALUE."""
+    from bench.bench_train import PIPELINES
+
+    if name not in PIPELINES:
+        raise argparse.ArgumentTypeError(f"unknown pipeline {name!r}; choose from {', '.join(PIPELINES)}")
+    keys = {"--set": None, "--atomic-mode": "render.atomic_mode", "--backend": "render.backend"}
+    flags, sets = PIPELINES[name], []
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        if flag not in keys:
+            raise argparse.ArgumentTypeError(f"pipeline {name!r} has {flag}, which is no config key")
+        sets.append(value if keys[flag] is None else f"{keys[flag]}={value}")
+    return name, sets
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scene", type=Path)
-    ap.add_argument("--variant", dest="variants", action="append", type=_variant, required=True)
+    ap.add_argument("--variant", dest="variants", action="append", type=_variant, default=[])
+    ap.add_argument("--pipeline", dest="pipelines", action="append", type=pipeline_variant, default=[],
+                    help="a bench_train pipeline as a variant (e.g. appearance, bilateral)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--block", type=int, default=100)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override for every trainer")
     args = ap.parse_args()
+    if not args.variants and not args.pipelines:
+        ap.error("name at least one --variant or --pipeline")
 
     from gstrain.config import build_config, parse_override
     from gstrain.fit_run import _load_scene
@@ -53,7 +76,7 @@ def main() -> None:
     from gstrain.train.run_record import RunRecord
     from gstrain.train.trainer import Trainer, _rng_state, _set_rng_state, seed_everything
 
-    runs = [("defaults", [])] + list(args.variants)
+    runs = [("defaults", [])] + list(args.variants) + list(args.pipelines)
     cfgs = [build_config([], [parse_override(s) for s in [f"train.steps={args.steps}", *args.sets, *sets]])
             for _, sets in runs]  # fmt: skip
     device = resolve_device(cfgs[0].train.device)

@@ -21,9 +21,10 @@ MASK_MODES = ("ignore", "background")
 # data.images_on: gpu (decoded at start-up, on the training device), host (pinned host memory,
 # copied one step ahead), disk (decoded on the fly by worker threads), auto (the first that fits)
 IMAGES_ON = ("auto", "gpu", "host", "disk")
-# train.appearance: no per-image colour correction, or a learned 3x4 affine colour transform per
-# training image (exposure and white balance; gstrain/train/appearance.py)
-APPEARANCE_MODES = ("none", "affine")
+# train.appearance: no per-image colour correction, a learned 3x4 affine colour transform per
+# training image (exposure and white balance; gstrain/train/appearance.py), or a learned bilateral
+# grid of them per training image (also vignetting, tone curves; gstrain/train/bilateral_grid.py)
+APPEARANCE_MODES = ("none", "affine", "bilateral")
 PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (distributed/partition.py)
 # optim.moments: how Adam keeps its two moments for the Gaussians' parameters: float32, or bfloat16
 # with stochastic rounding (half the bytes; gstrain/train/bf16_moments.py)

@@ -89,13 +89,22 @@ class TrainConfig:
     # from step pose_refine_start on
     pose_refine: bool = False
     pose_refine_start: int = 0
-    # a per-image colour correction learned with the scene (gstrain/train/appearance.py): none, or
-    # affine (a 3x4 colour matrix and bias per training image, from identity) applied to the render
+    # a per-image colour correction learned with the scene (gstrain/train/appearance.py): none,
+    # affine (a 3x4 colour matrix and bias per training image, from identity), or bilateral (per
+    # training image a grid of such transforms over x, y and the render's luminance, blended per
+    # pixel: also vignetting and tone curves; gstrain/train/bilateral_grid.py) applied to the render
     # before the loss; test views have none, so eval reports the raw render and a fitted-on-half score
     appearance: str = "none"
     appearance_lr: float = 1e-3  # Adam's rate for the corrections
     appearance_decay: float = 0.0  # per step, pulls each correction toward identity by lr * decay
     appearance_start: int = 0  # the corrections stay identity (not learned) before this step
+    # appearance=bilateral: the grid's cells across the image (x, y) and the luminance (1 to 64 each),
+    # and the weight of the grids' total variation (the sum over the three axes of the mean squared
+    # difference of neighbouring cells) added to the loss: it keeps each image's grid smooth
+    bilateral_grid_x: int = 16
+    bilateral_grid_y: int = 16
+    bilateral_grid_luma: int = 8
+    bilateral_tv: float = 10.0
 
 
 @dataclass
@@ -322,7 +331,7 @@ def merge_config(
 
 # What a run is built on: changing one of these on --resume would not fit its checkpoint or its views.
 RUN_FIXED_KEYS = ("data.factor", "data.max_side", "data.test_every", "model.sh_degree", "strategy.name",
-                  "train.appearance")
+                  "train.appearance", "train.bilateral_grid_x", "train.bilateral_grid_y", "train.bilateral_grid_luma")
 
 
 def changed_fixed_keys(old: Config, new: Config) -> list[str]:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 SEED_MAX = 2**32 - 1
 # dist.timeout_s below this cannot even set the process group up (the ranks' first handshake)
 MIN_DIST_TIMEOUT_S = 1.0
+# train.bilateral_grid_*: cells per axis. 64 x 64 x 64 cells of 12 floats are 12.6 MB a training
+# image (and as much again for each Adam moment and the gradient): more is no longer a coarse grid
+BILATERAL_GRID_MAX = 64
 
 
 def validate(cfg: Config) -> Config:
@@ -48,6 +51,7 @@ def validate(cfg: Config) -> Config:
     if cfg.train.appearance_lr <= 0 or cfg.train.appearance_decay < 0 or cfg.train.appearance_start < 0:
         raise UserError("train.appearance_lr must be > 0, train.appearance_decay and train.appearance_start >= 0; "
                         f"got {cfg.train.appearance_lr}, {cfg.train.appearance_decay}, {cfg.train.appearance_start}")
+    check_bilateral_grid(cfg)
     choice(cfg.optim.moments, MOMENTS, "optim.moments")
     if cfg.optim.moments != "fp32" and cfg.optim.sparse_adam:
         # the visible-only update is fused Adam's float32 path only
@@ -151,3 +155,14 @@ def _validate_ranges(cfg: Config) -> None:
         raise UserError(f"log.eval_steps must list steps >= 0 (0: the initial model); got {cfg.log.eval_steps}")
     if any(s < 1 for s in cfg.log.save_steps):
         raise UserError(f"log.save_steps must list steps >= 1; got {cfg.log.save_steps}")
+
+
+def check_bilateral_grid(cfg: Config) -> None:
+    """train.bilateral_grid_x, _y, _luma in [1, BILATERAL_GRID_MAX]; train.bilateral_tv finite and >= 0."""
+    t = cfg.train
+    for key in ("bilateral_grid_x", "bilateral_grid_y", "bilateral_grid_luma"):
+        value = getattr(t, key)
+        if not 1 <= value <= BILATERAL_GRID_MAX:
+            raise UserError(f"train.{key} must be in [1, {BILATERAL_GRID_MAX}] (cells); got {value}")
+    if not 0.0 <= t.bilateral_tv < float("inf"):  # also NaN
+        raise UserError(f"train.bilateral_tv must be >= 0 and finite; got {t.bilateral_tv}")

@@ -92,15 +92,15 @@ def test_warm_up_keeps_the_table_and_then_it_learns():
 
 
 def test_a_bad_appearance_key_is_one_line():
-    with pytest.raises(UserError, match="train.appearance must be one of none, affine"):
-        _cfg({"train": {"appearance": "bilateral"}})
+    with pytest.raises(UserError, match="train.appearance must be one of none, affine, bilateral; got 'grid'"):
+        _cfg({"train": {"appearance": "grid"}})
     with pytest.raises(UserError, match="train.appearance_lr must be > 0"):
         _cfg({"train": {"appearance": "affine", "appearance_lr": 0}})
 
 
 def test_cli_names_a_bad_appearance_value_in_one_line(demo_scene, tmp_path):
     code, err = call_cli("fit", demo_scene, "--out", tmp_path / "run", "--steps", "2", "--set", "train.appearance=grid")
-    assert_one_error(code, err, "train.appearance must be one of none, affine")
+    assert_one_error(code, err, "train.appearance must be one of none, affine, bilateral")
 
 
 def test_graphs_run_with_appearance_and_not_with_pose_refinement():

@@ -1,6 +1,8 @@
 """train.appearance=affine under the CUDA-graph engine, its host side on the CPU: the capturable
 Adam (train/capturable_adam.py) driven eagerly against torch.optim.Adam, the device-side view
-index, checkpoints, and the graph engine's keys, loads and redo bookkeeping for the correction.
+index, checkpoints, and the graph engine's keys, loads and redo bookkeeping for the correction;
+the engine's keys and the captured step's path also with train.appearance=bilateral (its own
+grid tests: tests/test_bilateral_grid.py).
 The captured graphs themselves: tests/test_appearance_graph_cuda.py."""
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 
 from gstrain.config import build_config
@@ -159,15 +162,22 @@ def test_a_checkpoint_without_adam_state_starts_the_table_adam_fresh():
     assert torch.equal(model.table.detach(), ref.table.detach()) and _count(model) == 10
 
 
-def _cpu_trainer(demo_scene: Path, tmp_path: Path) -> Trainer:
+# each train.appearance model with its own small configuration (a 4 x 4 x 4 bilateral grid: quick on the CPU)
+MODELS = {"affine": {"appearance": "affine"},
+          "bilateral": {"appearance": "bilateral", "bilateral_grid_x": 4, "bilateral_grid_y": 4,
+                        "bilateral_grid_luma": 4}}  # fmt: skip
+
+
+def _cpu_trainer(demo_scene: Path, tmp_path: Path, model: str = "affine") -> Trainer:
     cfg = build_config(overrides=[{
-        "train": {"steps": 100, "device": "cpu", "appearance": "affine", "appearance_start": 5},
+        "train": {"steps": 100, "device": "cpu", "appearance_start": 5, **MODELS[model]},
         "strategy": {"refine_start": 1000},
     }])  # fmt: skip
     return Trainer(cfg, load_scene(demo_scene), tmp_path / "run", torch.device("cpu"), log=lambda m: None)
 
 
-def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", list(MODELS))
+def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path, monkeypatch, model):
     """The graph engine's host side with appearance, on the CPU: the epoch key changes when the
     table starts learning (the graph is captured again) and not after; each graph step's load puts
     the view's index on the device and counts the table's step from the start on; a redo takes
@@ -178,7 +188,7 @@ def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path,
     monkeypatch.setattr(graph_step.fused_adam, "advance", lambda optimizers: [0.0] * (2 * len(optimizers)))
     monkeypatch.setattr(graph_step.fused_adam, "step_counts", lambda optimizers: [0.0] * len(optimizers))
     monkeypatch.setattr(graph_step.fused_adam, "rewind", lambda optimizers, steps: None)
-    trainer = _cpu_trainer(demo_scene, tmp_path)
+    trainer = _cpu_trainer(demo_scene, tmp_path, model)
     engine = graph_step.GraphEngine(trainer.ctx)
     assert engine.canvas is None  # the demo's views are one size: the per-size path
     (appearance,) = trainer.ctx.corrections
@@ -204,7 +214,8 @@ def test_graph_engine_keys_loads_and_redoes_the_correction(demo_scene, tmp_path,
     assert _count(appearance) == 5  # not 8: the redone replays' counts were taken back first
 
 
-def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene, tmp_path):
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene, tmp_path, model):
     """What a captured step runs, run eagerly on the CPU: the view's index only on the device
     (StepView.slot, no host index), the table's Adam from device scalars (advance, the skip flag
     set). Twenty steps across the warm-up's end train the very model and table the eager engine
@@ -213,7 +224,7 @@ def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene,
 
     from gstrain.train import corrections
 
-    runs = [_cpu_trainer(demo_scene, tmp_path / name) for name in ("eager", "captured")]
+    runs = [_cpu_trainer(demo_scene, tmp_path / name, model) for name in ("eager", "captured")]
     flag = torch.zeros(1, dtype=torch.int32)
     for step in range(20):
         runs[0].train_step(step)
@@ -228,7 +239,7 @@ def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene,
         finally:
             corrections.set_skip_flag(ctx.corrections, None)
     (a,), (b,) = runs[0].ctx.corrections, runs[1].ctx.corrections
-    assert not torch.equal(a.table.detach(), identity_table(len(a.table)))
+    assert not torch.equal(a.table.detach(), a.identity.expand_as(a.table))
     assert torch.equal(a.table.detach(), b.table.detach())
     assert _count(a) == _count(b) == 20 - 5
     for key in runs[0].params:

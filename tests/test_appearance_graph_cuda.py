@@ -1,7 +1,8 @@
-"""train.appearance=affine on the CUDA-graph engine: graph steps (the table's row picked on the
-device, its Adam captured with device scalars) compute the eager steps' function, on one image
-size and on the canvas (views of four sizes), with and without overflow redos, across the warm-up's
-end (appearance_start: a new epoch, captured again). The host side: tests/test_appearance_graph.py.
+"""train.appearance=affine and =bilateral on the CUDA-graph engine: graph steps (the table's row
+picked on the device, its Adam captured with device scalars; the grids' TV gradient too) compute
+the eager steps' function, on one image size and on the canvas (views of four sizes), with and
+without overflow redos, across the warm-up's end (appearance_start: a new epoch, captured again).
+The host side: tests/test_appearance_graph.py.
 Run by bench/gpu_tests.sh."""
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from test_graph_cuda import _same_model
 from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
 from gstrain.data.colmap import load_scene
 from gstrain.data.scene import Scene
-from gstrain.train.appearance import identity_table
 
 pytestmark = pytest.mark.cuda
 
 APPEARANCE = {"appearance": "affine", "appearance_lr": 0.01, "appearance_start": 3, "appearance_decay": 0.1}
+# each model's keys: the bilateral grid with its TV regulariser on (the captured step runs its gradient too)
+MODELS = {"affine": APPEARANCE,
+          "bilateral": {**APPEARANCE, "appearance": "bilateral", "bilateral_grid_x": 8, "bilateral_grid_y": 8,
+                        "bilateral_grid_luma": 4, "bilateral_tv": 10.0}}  # fmt: skip
 STEPS = 30
 TABLE_TOL = 1e-3  # a tenth of one Adam step of the table (its rate 0.01): a lost, doubled or stale step moves more
 
@@ -35,7 +39,7 @@ def _exposed(scene: Scene) -> Scene:
     return replace(scene, train=train)
 
 
-def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
+def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool, model: str = "affine") -> tuple:
     """A graph run and an eager run from the same start, STEPS steps each; every step's exact loss
     (a graph run's settled, so a redone replay's loss counts)."""
     from gstrain.train import graph_capacity
@@ -44,7 +48,7 @@ def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
     runs = {}
     for name, graphs in (("graph", True), ("eager", False)):
         seed_everything(0)
-        runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=APPEARANCE)
+        runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=MODELS[model])
     assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
     if overflow:  # buffers for a fifth of the most pairs seen: the first replays overflow and are redone
         monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
@@ -64,7 +68,7 @@ def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
 
 def _same_table(graphed, eager) -> None:
     (a,), (b,) = graphed.ctx.corrections, eager.ctx.corrections
-    moved = float((b.table.detach() - identity_table(len(b.table), "cuda")).abs().max())
+    moved = float((b.table.detach() - b.identity.expand_as(b.table)).abs().max())
     assert moved > 10 * TABLE_TOL, moved  # it learned: the comparison below means something
     diff = float((a.table.detach() - b.table.detach()).abs().max())
     assert diff < TABLE_TOL, diff
@@ -80,9 +84,10 @@ def _graph_steps_ran(g, overflow: bool) -> None:
     assert g.redos >= 1 or not overflow, g.summary()
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("overflow", [False, True])
-def test_graph_steps_with_appearance_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow):
-    graphed, eager, losses = _run_pair(_exposed(load_scene(demo_scene)), tmp_path, monkeypatch, overflow)
+def test_graph_steps_with_appearance_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow, model):
+    graphed, eager, losses = _run_pair(_exposed(load_scene(demo_scene)), tmp_path, monkeypatch, overflow, model)
     g = graphed.graphs
     assert g.canvas is None, g.summary()  # one size: the per-size path, its view index added for the table
     _graph_steps_ran(g, overflow)
@@ -92,11 +97,13 @@ def test_graph_steps_with_appearance_equal_eager_steps(demo_scene, tmp_path, mon
     _same_model(graphed, eager, 1e-4)
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("overflow", [False, True])
-def test_canvas_graph_steps_with_appearance_equal_eager_canvas_steps(demo_scene, tmp_path, monkeypatch, overflow):
+def test_canvas_graph_steps_with_appearance_equal_eager_canvas_steps(demo_scene, tmp_path, monkeypatch, overflow,
+                                                                      model):  # fmt: skip
     scene = mixed_sizes(_exposed(load_scene(demo_scene)))
     eager_steps_on_the_canvas(monkeypatch, (64, 64))
-    graphed, eager, losses = _run_pair(scene, tmp_path, monkeypatch, overflow)
+    graphed, eager, losses = _run_pair(scene, tmp_path, monkeypatch, overflow, model)
     g = graphed.graphs
     assert g.canvas is not None and g.canvas[:2] == (64, 64), g.summary()
     _graph_steps_ran(g, overflow)

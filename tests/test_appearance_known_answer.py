@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,27 +26,36 @@ def _gains() -> tuple[np.ndarray, np.ndarray]:
     return rng.uniform(0.6, 1.4, size=(N_VIEWS, 3)), rng.uniform(0.0, 0.05, size=(N_VIEWS, 3))
 
 
+def changed_demo_scene(out: Path, size: int, change: Callable[[int, np.ndarray], np.ndarray | None]) -> Path:
+    """The demo scene (N_VIEWS views of size x size pixels) with view i's photo replaced by
+    change(i, clean photo as float64 in [0, 1]), clipped to [0, 1] (None: the photo kept)."""
+    from gstrain.data.demo import write_demo_scene
+
+    write_demo_scene(out, n_views=N_VIEWS, width=size, height=size, seed=0)
+    for i in range(N_VIEWS):
+        path = out / "images" / f"{i:03d}.png"
+        changed = change(i, np.asarray(Image.open(path)).astype(np.float64) / 255.0)
+        if changed is not None:
+            Image.fromarray((np.clip(changed, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)).save(path)
+    return out
+
+
 @pytest.fixture(scope="module")
 def exposed_scene(tmp_path_factory) -> Path:
     """The demo scene with per-view RGB gains in [0.6, 1.4] (on 0.7 of the image, so few pixels
     clip) and a per-view colour offset up to 0.05: the photos of a camera whose exposure and white
     balance change from frame to frame."""
-    from gstrain.data.demo import write_demo_scene
-
-    out = tmp_path_factory.mktemp("exposed") / "scene"
-    write_demo_scene(out, n_views=N_VIEWS, width=64, height=64, seed=0)
     gains, bias = _gains()
-    for i in range(N_VIEWS):
-        path = out / "images" / f"{i:03d}.png"
-        clean = np.asarray(Image.open(path)).astype(np.float64) / 255.0
-        cast = np.clip(0.7 * clean * gains[i] + bias[i], 0.0, 1.0)
-        Image.fromarray((cast * 255.0 + 0.5).astype(np.uint8)).save(path)
-    return out
+    out = tmp_path_factory.mktemp("exposed") / "scene"
+    return changed_demo_scene(out, 64, lambda i, clean: 0.7 * clean * gains[i] + bias[i])
 
 
-def _train(scene_dir: Path, run: Path, appearance: str) -> tuple[Trainer, dict]:
-    cfg = _cfg({"train": {"steps": 600, "sh_degree_interval": 100, "appearance": appearance,
-                          "appearance_lr": 0.01},
+def train_demo(scene_dir: Path, run: Path, appearance: str, steps: int = 600,
+               train: dict | None = None) -> tuple[Trainer, dict]:  # fmt: skip
+    """A CPU run on a changed demo scene with train.appearance `appearance` (rate 0.01 unless
+    `train` says otherwise): the trainer and its train_summary.json."""
+    cfg = _cfg({"train": {"steps": steps, "sh_degree_interval": 100, "appearance": appearance,
+                          "appearance_lr": 0.01, **(train or {})},
                 "strategy": {"refine_start": 100, "refine_every": 100, "reset_every": 100_000}})  # fmt: skip
     scene = load_scene(scene_dir, factor=1, test_every=cfg.data.test_every)
     run.mkdir(parents=True)
@@ -56,8 +66,8 @@ def _train(scene_dir: Path, run: Path, appearance: str) -> tuple[Trainer, dict]:
 
 @pytest.mark.skipif(os.environ.get("GSTRAIN_SKIP_SLOW") == "1", reason="two 600-step CPU runs (about a minute)")
 def test_learned_corrections_recover_the_gains_and_raise_test_psnr(exposed_scene, tmp_path):
-    with_app, summary_with = _train(exposed_scene, tmp_path / "affine", "affine")
-    _, summary_without = _train(exposed_scene, tmp_path / "none", "none")
+    with_app, summary_with = train_demo(exposed_scene, tmp_path / "affine", "affine")
+    _, summary_without = train_demo(exposed_scene, tmp_path / "none", "none")
 
     # the gauge: the scene's colours times C and every correction times C^-1 render the same
     # photos, so compare each view's colour matrix with the training views' mean (the gains

@@ -322,3 +322,16 @@ def test_graph_study_sets_a_module_constant_in_its_own_type(monkeypatch):
     assert graph_step.MAX_UNSETTLED == 3 and isinstance(graph_step.MAX_UNSETTLED, int)
     with pytest.raises(AttributeError):
         graph_study.set_constant("gstrain.render.NO_SUCH_CONSTANT=1")
+
+
+def test_feature_cost_takes_bench_train_pipelines_as_variants():
+    import argparse
+
+    from bench.feature_cost import pipeline_variant
+
+    # the real-capture pipelines time against the defaults with their config keys, and only those
+    assert pipeline_variant("bilateral") == ("bilateral", ["render.atomic_mode=arc", "train.appearance=bilateral"])
+    assert pipeline_variant("appearance") == ("appearance", ["render.atomic_mode=arc", "train.appearance=affine"])
+    assert pipeline_variant("gsplat-raster") == ("gsplat-raster", ["render.backend=gsplat"])
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown pipeline 'grid'"):
+        pipeline_variant("grid")

@@ -11,16 +11,21 @@ A 3x4 affine holds both a per-channel gain (exposure, white balance: a diagonal 
 cross-channel mixing of a camera's colour matrix, at 12 numbers a view: a per-channel gain and
 bias alone is its diagonal special case, and costs the same (one small matmul on the image).
 
+The model (`bilateral`, train/bilateral_grid.py): per training image a bilateral grid of 3x4
+transforms over (x, y, luminance of the render), sliced per pixel by trilinear interpolation: it
+also holds what an image-wide affine cannot, such as vignetting or a tone curve, at
+12 * X * Y * L numbers a view and a total-variation regulariser that keeps the grids smooth.
+
 The gauge: scaling the scene's colours by G and every correction by G^-1 renders the same
 training images, so only corrections relative to one another are determined. train.appearance_decay
 pulls every correction toward identity (it pins the common part: the scene keeps the mean colour);
 comparisons (tests) divide by the mean gain.
 
-Where it attaches: one StepRunner.corrections entry (train/corrections.py ViewCorrection) applied in
-view_loss and stepped in finish, so every engine gets it (the CUDA-graph one as below). Under
-torchrun every rank holds the whole table; after each backward the table's gradient is summed
-over the ranks (each view's loss sits on its home rank, divided by the batch), so every rank takes
-the same Adam step and the tables stay equal.
+Where it attaches (both models; the shared part is train/view_table.py): one StepRunner.corrections
+entry (train/corrections.py ViewCorrection) applied in view_loss and stepped in finish, so every
+engine gets it (the CUDA-graph one as below). Under torchrun every rank holds the whole table;
+after each backward the table's gradient is summed over the ranks (each view's loss sits on its
+home rank, divided by the batch), so every rank takes the same Adam step and the tables stay equal.
 
 Under the CUDA-graph engine (train/graph_step.py) the correction is graph-safe: a captured step
 picks the view's row by the view index on the device (StepView.slot), and steps the table with
@@ -30,20 +35,20 @@ train.appearance_start a captured step leaves the table as it is, and whether th
 active is part of the graph's epoch key (graph_key), so the graph is captured again when it starts.
 
 Test views (eval, the training loop's test evaluations): `raw` scores the render as it is;
-`fitted_half` fits the test view's affine correction by least squares on the left half of the image
+`fitted_half` fits the test view's affine correction (an affine for either model: a grid fitted on
+one half would not reach the other) by least squares on the left half of the image
 (closed form, nothing trained) and scores only the right half (render and photo both cut to it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gstrain.train.capturable_adam import CapturableAdam
-from gstrain.train.step import StepView
+from gstrain.train.bilateral_grid import BilateralAppearance
+from gstrain.train.view_table import ViewTable
 
 # How each test-view protocol is named in metrics.json and the printed lines
 RAW_PROTOCOL = "raw: the render as it is, no per-image correction"
@@ -72,91 +77,15 @@ def apply_affine(image: Tensor, transform: Tensor) -> Tensor:
     return image @ transform[:, :3].T + transform[:, 3]
 
 
-class AffineAppearance:
+class AffineAppearance(ViewTable):
     """The per-image 3x4 colour transforms of the training views, with their own Adam (a
-    corrections.ViewCorrection, graph-safe). The table, its Adam moments and device scalars keep
-    their storage for the whole run (a captured graph reads them): a checkpoint is copied into them."""
-
-    name = "appearance"
-    graph_safe = True
+    corrections.ViewCorrection, graph-safe; train/view_table.py)."""
 
     def __init__(self, n_views: int, device: torch.device, lr: float, decay: float = 0.0, start: int = 0) -> None:
-        self.table = torch.nn.Parameter(identity_table(n_views, device))
-        self.identity = identity_table(n_views, device)
-        self.lr, self.decay, self.start = float(lr), float(decay), int(start)
-        self.optimizer = torch.optim.Adam([self.table], lr=self.lr, eps=1e-15)
-        self.graph_adam = CapturableAdam(self.optimizer, pull=self.lr * self.decay)
-        self._skip: Tensor | None = None  # the skip flag while a CUDA graph of the step is captured
+        super().__init__(identity_table(n_views, device), identity_table(n_views, device), lr, decay, start)
 
-    def camera(self, viewmat: Tensor, view: StepView, step: int) -> Tensor:
-        return viewmat  # colours only
-
-    def image(self, image: Tensor, view: StepView) -> Tensor:
-        if view.slot is not None:  # a captured step: the row chosen on the device
-            return apply_affine(image, self.table.index_select(0, view.slot.reshape(1).long())[0])
-        if view.index is None:  # not a training view: nothing learned for it
-            return image
-        return apply_affine(image, self.table[view.index])
-
-    def after_step(self, step: int) -> None:
-        if step < self.start:  # warm-up: the transforms stay identity while the scene settles
-            self.table.grad = None
-            return
-        if self._skip is not None:  # inside a capture: the device-scalar Adam, the same update
-            self.graph_adam.step(self._skip, self.identity if self.decay else None)
-            return
-        self._sum_over_ranks()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.decay:
-            with torch.no_grad():
-                self.table.sub_((self.table - self.identity) * (self.lr * self.decay))
-
-    # ------------------------------------------------------------ CUDA graphs (corrections.py)
-    def graph_key(self, step: int) -> Hashable:
-        """What a captured step bakes in: whether the table learns at `step`, and the addresses
-        of the table and its moments (kept for the run; a change would need a new capture)."""
-        exp_avg, exp_avg_sq = self.graph_adam.moments()
-        return (step >= self.start, self.table.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
-
-    def advance(self, step: int) -> None:
-        """Before a replay of step `step`: count the table's Adam step as after_step would."""
-        if step >= self.start:
-            self.graph_adam.advance()
-
-    def rewind(self, steps: Sequence[int]) -> None:
-        """Take back advance()'s counts of the replayed `steps` a redo repeats."""
-        counted = sum(1 for s in steps if s >= self.start)
-        if counted:
-            self.graph_adam.rewind(counted)
-
-    def set_skip_flag(self, flag: Tensor | None) -> None:
-        """A capture begins (flag: the device flag that makes the update a no-op) or ends (None)."""
-        self._skip = flag
-        self.table.grad = None
-
-    def _sum_over_ranks(self) -> None:
-        """Under torchrun each view's gradient is on its home rank only: the sum makes every rank's
-        step the same (a rank that rendered none of the batch adds zeros)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        if self.table.grad is None:
-            self.table.grad = torch.zeros_like(self.table)
-        dist.all_reduce(self.table.grad)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"table": self.table.detach(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        table = state["table"]
-        if tuple(table.shape) != tuple(self.table.shape):
-            raise ValueError(f"appearance table of shape {tuple(table.shape)}, the run has {tuple(self.table.shape)}")
-        with torch.no_grad():
-            self.table.copy_(table)
-        self.optimizer = torch.optim.Adam([self.table], lr=self.lr, eps=1e-15)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.graph_adam.hold(self.optimizer)
+    def apply(self, image: Tensor, row: Tensor, valid: Tensor | None = None) -> Tensor:
+        return apply_affine(image, row)  # the same transform at every pixel: the canvas changes nothing
 
 
 def build_corrections(cfg: Any, n_views: int, device: torch.device) -> list[Any]:
@@ -164,6 +93,10 @@ def build_corrections(cfg: Any, n_views: int, device: torch.device) -> list[Any]
     t = cfg.train
     if t.appearance == "affine":
         return [AffineAppearance(n_views, device, t.appearance_lr, t.appearance_decay, t.appearance_start)]
+    if t.appearance == "bilateral":
+        grid = (t.bilateral_grid_luma, t.bilateral_grid_y, t.bilateral_grid_x)
+        return [BilateralAppearance(n_views, grid, device, t.appearance_lr, t.appearance_decay, t.appearance_start,
+                                    t.bilateral_tv)]  # fmt: skip
     return []
 
 
