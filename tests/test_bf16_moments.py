@@ -221,7 +221,8 @@ def _trainer(scene, run_dir, moments: str, steps: int = 24, strategy: dict | Non
         "train": {"steps": steps, "seed": 7, "device": "cpu", **train}, "optim": {"moments": moments},
         "model": {"sh_degree": 1, **(model or {})},
         "strategy": {"refine_start": 6, "refine_every": 6, **(strategy or {})},
-        "log": {"progress_every": 1000, "ckpt_every": 0, "tb_every": 100_000, "eval_steps": list(eval_steps), "save_steps": []},
+        "log": {"progress_every": 1000, "ckpt_every": 0, "tb_every": 100_000,
+                "eval_steps": list(eval_steps), "save_steps": []},
     }])  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []

@@ -233,7 +233,8 @@ def test_stop_at_pauses_and_resume_goes_on_as_if_never_paused(demo_scene, tmp_pa
 def test_fit_on_real_beer_scene_downscaled(beer_scene, tmp_path):
     run = tmp_path / "beer"
     proc = run_cli("fit", beer_scene, "--factor", "8", "--steps", "150", "--out", run, *FAST,
-                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50", "--set", "log.eval_steps=[0]")
+                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
+                   "--set", "log.eval_steps=[0]")
     assert proc.returncode == 0, proc.stderr
     assert "undistorted" in proc.stderr.lower()  # SIMPLE_RADIAL cameras are undistorted, and it says so
     summary = json.loads((run / "train_summary.json").read_text())

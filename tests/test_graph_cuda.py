@@ -337,7 +337,8 @@ def test_fit_with_graph_batches_trains(demo_scene, tmp_path):
     """`gstrain fit --set train.batch_size=2` on a GPU: graph steps of two views, counted as views."""
     run = tmp_path / "run"
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "300", "--device", "cuda", "--set", "train.batch_size=2",
-                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50", "--set", "log.eval_steps=[0]")  # fmt: skip
+                   "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
+                   "--set", "log.eval_steps=[0]")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
     graphs = summary["cuda_graphs"]
@@ -348,7 +349,8 @@ def test_fit_with_graph_batches_trains(demo_scene, tmp_path):
 def test_fit_with_graphs_trains_resumes_and_reports(demo_scene, tmp_path):
     run = tmp_path / "run"
     common = ("--device", "cuda", "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
-              "--set", "dev.time_every=7", "--set", "train.sh_degree_interval=100", "--set", "log.eval_steps=[0]")  # fmt: skip
+              "--set", "dev.time_every=7", "--set", "train.sh_degree_interval=100",
+              "--set", "log.eval_steps=[0]")  # fmt: skip
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "400", "--set", "train.stop_at=200", *common)
     assert proc.returncode == 0, proc.stderr
     initial = json.loads((run / "train_summary.json").read_text())["initial_test_psnr"]

@@ -250,7 +250,8 @@ def test_fit_with_each_switch_off_still_trains(demo_scene, tmp_path):
     for flag in ("dev.fused_adam=false", "dev.fast_stats=false", "optim.sparse_adam=true"):
         run = tmp_path / flag.split("=")[0]
         proc = run_cli("fit", demo_scene, "--out", run, "--steps", "200", "--device", "cuda", "--set", flag,
-                       "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50", "--set", "log.eval_steps=[0]")
+                       "--set", "strategy.refine_start=50", "--set", "strategy.refine_every=50",
+                       "--set", "log.eval_steps=[0]")
         assert proc.returncode == 0, proc.stderr
         summary = json.loads((run / "train_summary.json").read_text())
         assert summary["final_test_psnr"] > summary["initial_test_psnr"] + 3.0, (flag, summary)
