@@ -25,9 +25,10 @@ IMAGES_ON = ("auto", "gpu", "host", "disk")
 # training image (exposure and white balance; gstrain/train/appearance.py)
 APPEARANCE_MODES = ("none", "affine")
 PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (distributed/partition.py)
-# optim.moments: how Adam keeps its two moments for the Gaussians' parameters: float32, or bfloat16
-# with stochastic rounding (half the bytes; gstrain/train/bf16_moments.py)
-MOMENTS = ("fp32", "bf16")
+# optim.moments: how Adam keeps its two moments for the Gaussians' parameters: float32, bfloat16
+# with stochastic rounding (half the bytes; gstrain/train/bf16_moments.py), or int8: shN's in 8 bits
+# with a scale per Gaussian, the rest bfloat16 (gstrain/train/int8_moments.py)
+MOMENTS = ("fp32", "bf16", "int8")
 COMPRESSIONS = ("none", "fp16")  # records on the wire between ranks
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 
