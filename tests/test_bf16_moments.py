@@ -306,7 +306,7 @@ def test_bf16_moments_train_as_well_as_fp32(scene, tmp_path):
 
 def test_bad_values_are_one_line(demo_scene, tmp_path):
     code, err = call_cli("fit", demo_scene, "--out", tmp_path / "a", "--set", "optim.moments=fp8")
-    assert_one_error(code, err, "optim.moments must be one of fp32, bf16; got 'fp8'")
+    assert_one_error(code, err, "optim.moments must be one of fp32, bf16, int8; got 'fp8'")
     code, err = call_cli("fit", demo_scene, "--out", tmp_path / "b", "--set", "optim.moments=bf16",
                          "--set", "optim.sparse_adam=true")  # fmt: skip
     assert_one_error(code, err, "optim.moments=bf16 needs optim.sparse_adam=false")
