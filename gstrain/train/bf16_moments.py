@@ -203,13 +203,3 @@ def keep_dtype(optimizers: dict[str, torch.optim.Optimizer], dtype: torch.dtype)
                 state[key] = state[key].to(dtype)
                 cast += 1
     return cast
-
-
-def saved_moments_dtype(saved_optimizers: dict[str, dict]) -> torch.dtype | None:
-    """The moments' dtype in a checkpoint's optimizer state dicts (None: none saved)."""
-    for saved in saved_optimizers.values():
-        for state in saved.get("state", {}).values():
-            for key in MOMENT_KEYS:
-                if key in state and torch.is_tensor(state[key]):
-                    return state[key].dtype
-    return None
