@@ -284,6 +284,10 @@ def test_layout_bytes_per_gaussian_and_the_budget():
         cfg = build_config(overrides=[{"train": {"max_memory_gib": 2.0}, "optim": {"moments": mode}}])
         per[mode] = budget_gate(cfg, 0, [(64, 64, 3)], lambda _m: None).budget.per_gaussian
     assert per["bf16"] - per["int8"] == 86
+    # bench_train's int8-moments pipeline sets the mode, and bench/memory_per_gaussian counts it
+    from bench import memory_per_gaussian as mpg
+
+    assert mpg.moments_mode("int8-moments") == "int8" and mpg.analytic("int8-moments", 3, None)["Adam moments"] == 150
 
 
 def _set_codes(opts: dict, params: torch.nn.ParameterDict, seed: int) -> None:
