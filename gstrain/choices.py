@@ -26,9 +26,10 @@ IMAGES_ON = ("auto", "gpu", "host", "disk")
 # grid of them per training image (also vignetting, tone curves; gstrain/train/bilateral_grid.py)
 APPEARANCE_MODES = ("none", "affine", "bilateral")
 PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (distributed/partition.py)
-# optim.moments: how Adam keeps its two moments for the Gaussians' parameters: float32, or bfloat16
-# with stochastic rounding (half the bytes; gstrain/train/bf16_moments.py)
-MOMENTS = ("fp32", "bf16")
+# optim.moments: how Adam keeps its two moments for the Gaussians' parameters: float32, bfloat16
+# with stochastic rounding (half the bytes; gstrain/train/bf16_moments.py), or int8: shN's in 8 bits
+# with a scale per Gaussian, the rest bfloat16 (gstrain/train/int8_moments.py)
+MOMENTS = ("fp32", "bf16", "int8")
 COMPRESSIONS = ("none", "fp16")  # records on the wire between ranks
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 

@@ -59,10 +59,11 @@ class OptimConfig:
     eps: float = 1e-15
     # update only the Gaussians drawn this step (gsplat's SelectiveAdam rule; CUDA only)
     sparse_adam: bool = False
-    # Adam's moments (exp_avg, exp_avg_sq) of the Gaussians' parameters: fp32, or bf16 (half their
+    # Adam's moments (exp_avg, exp_avg_sq) of the Gaussians' parameters: fp32, bf16 (half their
     # bytes, 236 B a Gaussian less at SH degree 3; float32 math, stochastic rounding on store so
-    # small updates of exp_avg_sq are not lost). bf16 needs sparse_adam=false; the per-view
-    # appearance and pose tables keep float32 moments (they are small).
+    # small updates of exp_avg_sq are not lost) or int8 (shN's in 8 bits with a scale per
+    # Gaussian, the rest bf16: 86 B less than bf16). bf16 and int8 need sparse_adam=false; the
+    # per-view appearance and pose tables keep float32 moments (they are small).
     moments: str = "fp32"
     # train.pose_refine: the per-view pose corrections' rate (rotation in radians, translation in
     # units of the scene extent), decaying exponentially to pose_lr_final over the run

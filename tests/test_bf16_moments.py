@@ -19,6 +19,7 @@ from gsplat.strategy.ops import duplicate
 from gstrain.config import OptimConfig, build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train import bf16_moments as bm
+from gstrain.train import moment_modes
 from gstrain.train.memory_budget import (
     PIXEL_BYTES,
     USABLE_SHARE,
@@ -256,7 +257,7 @@ def test_resume_continues_exactly_and_checkpoints_keep_bf16(scene, tmp_path):
     paused = _trainer(scene, tmp_path / "paused", "bf16", stop_at=12)
     assert paused.fit().status == "stopped"
     saved = torch.load(paused.save(wait=True), weights_only=False)
-    assert bm.saved_moments_dtype(saved["optimizers"]) == torch.bfloat16
+    assert moment_modes.saved_mode(saved["optimizers"]) == "bf16"
     resumed = _trainer(scene, tmp_path / "paused", "bf16")
     assert resumed.fit(resume=True).status == "done" and resumed.step == whole.step == 24
     assert not any("converted" in line for line in resumed.lines)
@@ -307,7 +308,7 @@ def test_bf16_moments_train_as_well_as_fp32(scene, tmp_path):
 
 def test_bad_values_are_one_line(demo_scene, tmp_path):
     code, err = call_cli("fit", demo_scene, "--out", tmp_path / "a", "--set", "optim.moments=fp8")
-    assert_one_error(code, err, "optim.moments must be one of fp32, bf16; got 'fp8'")
+    assert_one_error(code, err, "optim.moments must be one of fp32, bf16, int8; got 'fp8'")
     code, err = call_cli("fit", demo_scene, "--out", tmp_path / "b", "--set", "optim.moments=bf16",
                          "--set", "optim.sparse_adam=true")  # fmt: skip
     assert_one_error(code, err, "optim.moments=bf16 needs optim.sparse_adam=false")

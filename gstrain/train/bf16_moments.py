@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -44,10 +43,11 @@ BF16_NAN_BITS = 0x7FC0
 
 
 def moments_dtype(mode: str) -> torch.dtype:
-    """The storage dtype of optim.moments=`mode`."""
+    """The storage dtype of optim.moments=`mode` (int8: of its 16-bit moments)."""
     if mode not in MOMENTS:
         raise ValueError(f"optim.moments must be one of {', '.join(MOMENTS)}; got {mode!r}")
-    return torch.bfloat16 if mode == "bf16" else torch.float32
+    # int8: the moments that stay 16-bit (train/int8_moments.py keeps shN's in 8 bits)
+    return torch.float32 if mode == "fp32" else torch.bfloat16
 
 
 def mix32(x: int | Tensor) -> int | Tensor:
@@ -203,29 +203,3 @@ def keep_dtype(optimizers: dict[str, torch.optim.Optimizer], dtype: torch.dtype)
                 state[key] = state[key].to(dtype)
                 cast += 1
     return cast
-
-
-def saved_moments_dtype(saved_optimizers: dict[str, dict]) -> torch.dtype | None:
-    """The moments' dtype in a checkpoint's optimizer state dicts (None: none saved)."""
-    for saved in saved_optimizers.values():
-        for state in saved.get("state", {}).values():
-            for key in MOMENT_KEYS:
-                if key in state and torch.is_tensor(state[key]):
-                    return state[key].dtype
-    return None
-
-
-def restore_dtype(optimizers: dict[str, torch.optim.Optimizer], saved: torch.dtype | None, mode: str,
-                  log: Callable[[str], None]) -> None:  # fmt: skip
-    """After Optimizer.load_state_dict (which casts the moments to the parameters' float32): the
-    moments back in optim.moments' dtype. A checkpoint written in the other mode is converted,
-    said in one line (float32 to bfloat16 rounds to nearest; bfloat16 to float32 is exact). With
-    bfloat16 every optimizer has its state, as build_optimizers makes it (a float32 checkpoint has
-    none for a tensor that had no gradient yet)."""
-    want = moments_dtype(mode)
-    if saved is not None and saved != want:
-        have = "bf16" if saved == torch.bfloat16 else "fp32"
-        log(f"gstrain: the checkpoint's Adam moments are {have}; converted to optim.moments={mode}")
-    keep_dtype(optimizers, want)
-    if want != torch.float32:
-        init_optimizer_state(optimizers, want)

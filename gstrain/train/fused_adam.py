@@ -23,6 +23,11 @@ float32 and its moments stored with the same stochastic rounding as bf16_moments
 hash needs the Adam step count: the host passes it, and a graph step reads it from `scalars` after
 the pairs (graph_scalars(): pairs, then one count per tensor). Tensors off the fused path take
 bf16_moments.adam_step, as float32 ones take torch's.
+
+optim.moments=int8 (train/int8_moments.py): a tensor with 8-bit codes is passed with its two row
+scales, and the extension updates it in a kernel of its own (a warp per row: the row's new largest
+magnitudes set its scales before any code is stored), reading the same device scalars; the same
+codes as int8_moments.step_tensor, which takes such tensors off the fused path.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gstrain import extensions
-from gstrain.train import bf16_moments
+from gstrain.train import bf16_moments, int8_moments
 from gstrain.train.bf16_moments import host_step
 
 _UNSUPPORTED_OPTIONS = (("weight_decay", 0), ("amsgrad", False), ("maximize", False))
@@ -48,7 +53,7 @@ def _supported(opt: torch.optim.Optimizer) -> bool:
 
 def graph_scalars(count: int) -> int:
     """Device scalars a graph step's FusedAdam reads for `count` tensors: a (step size,
-    1/sqrt(bc2)) pair each, then each one's step count (bfloat16 moments' rounding hash)."""
+    1/sqrt(bc2)) pair each, then each one's step count (bf16 and int8 moments' rounding hash)."""
     return 3 * count
 
 
@@ -65,6 +70,7 @@ class FusedAdam:
         With `scalars` (a graph step) the step counts are not advanced here: advance() does it on
         the host before each replay and fills `scalars`, in graph_order()'s order."""
         params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2 = [], [], [], [], [], []
+        scales: list[Tensor] = []  # per tensor: its two row scales (int8 moments), else its moments (unread)
         steps: list[float] = []  # the step counts (bfloat16 moments' rounding hash)
         salts: list[int] = []  # per tensor: exp_avg's, exp_avg_sq's
         beta1 = beta2 = eps = None
@@ -86,6 +92,10 @@ class FusedAdam:
             if not eligible and scalars is not None:
                 raise ValueError(f"{group.get('name', '?')}: a graph step needs every tensor on the fused path")
             bf16 = p in opt.state and opt.state[p].get("exp_avg", p).dtype == torch.bfloat16
+            codes = p in opt.state and int8_moments.has_codes(opt.state[p])
+            if not eligible and codes:
+                int8_moments.step_tensor(opt)  # torch's Adam cannot step 8-bit moments
+                continue
             if not eligible and bf16:
                 bf16_moments.adam_step({"": opt})  # torch's Adam cannot step bfloat16 moments
                 continue
@@ -111,6 +121,8 @@ class FusedAdam:
             grads.append(g)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
+            scale_keys = int8_moments.SCALE_KEYS.values() if codes else bf16_moments.MOMENT_KEYS
+            scales += [state[key] for key in scale_keys]
             step_sizes.append(group["lr"] / (1.0 - beta1**step))
             inv_bc2.append(1.0 / math.sqrt(1.0 - beta2**step))
             steps.append(step)
@@ -120,7 +132,7 @@ class FusedAdam:
         if params:
             self.ext.adam_step(params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2,
                                float(beta1), float(beta2), float(eps), visible, scalars, skip,
-                               steps, salts)  # fmt: skip
+                               steps, salts, scales)  # fmt: skip
 
 
 def graph_order(optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:

@@ -157,7 +157,8 @@ class GraphEngine:
         t = self.ctx
         params = tuple((p.data_ptr(), tuple(p.shape)) for p in t.params.values())
         states = (o.state[o.param_groups[0]["params"][0]] for o in fused_adam.graph_order(t.optimizers))
-        moments = tuple(tuple(s[k].data_ptr() if k in s else None for k in ("exp_avg", "exp_avg_sq")) for s in states)
+        keys = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")  # (the scales: int8 moments)
+        moments = tuple(tuple(s[k].data_ptr() if k in s else None for k in keys) for s in states)
         return (params, moments, t.strategy.graph_key(step), t.sh_degree(step), t.renderer.atomic_threshold,
                 corrections.graph_key(t.corrections, step))
 
@@ -251,7 +252,7 @@ class GraphEngine:
             done.synchronize()  # the ring's slot is free once its copy has run: at most INFLIGHT ahead
         host = self.pinned[self.slot]
         values = fused_adam.advance(t.optimizers)
-        if self.counts_steps:  # only bfloat16 moments' rounding reads the step counts
+        if self.counts_steps:  # only bf16 and int8 moments' rounding reads the step counts
             values += fused_adam.step_counts(t.optimizers)
         host[: len(values)] = torch.tensor(values, dtype=torch.float32)
         host[-1] = float(step + 1)

@@ -27,14 +27,15 @@ from typing import Any
 import torch
 
 from gstrain.errors import UserError
-from gstrain.train.bf16_moments import moments_dtype
+from gstrain.train.moment_modes import moment_bytes_per_gaussian
 
-FLOAT = 4  # bytes: every parameter, gradient, moment and statistic is float32 (radii int32)
+FLOAT = 4  # bytes: every parameter, gradient and statistic is float32 (radii int32)
 # The parameter layout of gstrain.model.init_gaussians, floats per Gaussian (shN by SH degree).
 PARAM_FLOATS_BASE = {"means": 3, "scales": 3, "quats": 4, "opacities": 1, "sh0": 3}
-# Each parameter float is kept four times at the backward's peak: the value, its gradient, Adam's
-# exp_avg and exp_avg_sq (the moments in optim.moments' dtype: float32, or bfloat16's 2 bytes).
-COPIES_PER_PARAM = 4
+# Each parameter float is kept four times at the backward's peak: the value and its gradient
+# (FLOAT each), Adam's exp_avg and exp_avg_sq in optim.moments' layout (float32, bfloat16's 2
+# bytes, or int8's 8-bit shN with a scale per Gaussian: moment_modes.moment_bytes_per_gaussian).
+
 # The strategy's per-Gaussian state: DefaultStrategy keeps grad2d and count (float32 each);
 # gsplat's MCMC keeps only a fixed binomial table (no per-Gaussian state).
 STRATEGY_FLOATS = {"default": 2, "mcmc": 0}
@@ -84,7 +85,7 @@ def per_gaussian_breakdown(
     moments: str = "fp32",
 ) -> dict[str, int]:
     """GPU bytes one Gaussian costs at the peak of a step, by what holds them: each parameter
-    tensor, the gradients, Adam's moments (in optim.moments' dtype `moments`), the strategy's
+    tensor, the gradients, Adam's moments (in optim.moments' layout `moments`), the strategy's
     statistics, the step's buffers (STEP_BYTES unless given) and its tile pairs.
 
     graph_pair_margin > 0: the CUDA-graph engine runs the steps and keeps its graphs through some
@@ -99,8 +100,7 @@ def per_gaussian_breakdown(
     rows = {f"parameter {name}": floats * FLOAT for name, floats in layout.items()}
     params = param_floats(sh_degree) * FLOAT
     rows["gradients"] = params
-    moment_bytes = moments_dtype(moments).itemsize
-    rows["Adam moments"] = param_floats(sh_degree) * moment_bytes * (COPIES_PER_PARAM - 2)
+    rows["Adam moments"] = moment_bytes_per_gaussian(moments, layout)
     rows["strategy statistics"] = STRATEGY_FLOATS[strategy] * FLOAT
     step = dict(STEP_BYTES if step_bytes is None else step_bytes)
     if absgrad:

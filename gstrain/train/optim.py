@@ -7,15 +7,15 @@ from typing import Any
 import torch
 
 from gstrain.config import OptimConfig
-from gstrain.train.bf16_moments import init_optimizer_state, moments_dtype
+from gstrain.train.moment_modes import init_optimizer_state
 
 
 def build_optimizers(
     params: torch.nn.ParameterDict, cfg: OptimConfig, scene_extent: float
 ) -> dict[str, torch.optim.Optimizer]:
     """One Adam per tensor. The position rate scales with the scene so it is unit-free. With
-    optim.moments=bf16 the state is made here, its moments in bfloat16 (the step paths read the
-    mode from their dtype: train/bf16_moments.py)."""
+    optim.moments=bf16 or int8 the state is made here in that mode's layout (the step paths read
+    the mode from the state: train/moment_modes.py)."""
     lrs = {
         "means": cfg.means_lr * scene_extent,
         "scales": cfg.scales_lr,
@@ -30,8 +30,7 @@ def build_optimizers(
         optimizers[name] = torch.optim.Adam(
             [{"params": param, "lr": lrs[name], "name": name}], eps=cfg.eps, betas=(0.9, 0.999), fused=fused
         )
-    if cfg.moments != "fp32":
-        init_optimizer_state(optimizers, moments_dtype(cfg.moments))
+    init_optimizer_state(optimizers, cfg.moments)
     return optimizers
 
 

@@ -7,8 +7,8 @@ runs, with the same speed switches:
   dev.fused_ssim       the fused SSIM kernel instead of PyTorch convolutions
   dev.fused_adam       one launch of our multi-tensor Adam instead of six torch Adam steps
   optim.sparse_adam    only the Gaussians drawn this step are updated
-  optim.moments        Adam's moments in bfloat16 (train/bf16_moments.py): its own torch-op step
-                       where the fused kernel is not used
+  optim.moments        Adam's moments in bfloat16 or 8 bits (train/moment_modes.py): their own
+                       torch-op step where the fused kernel is not used
   dev.fast_stats       DefaultStrategy's statistics without its three host syncs a step
 Nothing here reads a value back from the GPU. dev.cuda_graphs (graph_step.py) captures this
 same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
@@ -26,7 +26,7 @@ from gstrain.config import Config
 from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
 from gstrain.render.isect import PairBudget
-from gstrain.train import bf16_moments
+from gstrain.train import moment_modes
 from gstrain.train.corrections import ViewCorrection, corrected_camera, corrected_image
 from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
@@ -114,7 +114,7 @@ class StepRunner:
 
             self.fused_adam = FusedAdam()
         self.sparse_adam = bool(cfg.optim.sparse_adam) and self.fused_adam is not None
-        self.moments_dtype = bf16_moments.moments_dtype(cfg.optim.moments)
+        self.moments = cfg.optim.moments
         # (scalars, skip flag) while a CUDA graph of the step is captured (train/graph_step.py)
         self.graph_adam: tuple[Tensor, Tensor] | None = None
         # learned per training view, applied to its camera and render (train/corrections.py)
@@ -192,16 +192,16 @@ class StepRunner:
         with timer.phase("densify"):
             means_lr = optimizers["means"].param_groups[0]["lr"]
             changed = self.strategy.step_post_backward(params, optimizers, step, info, means_lr)
-            if self.moments_dtype != torch.float32:  # gsplat's operations grow the state in float32
-                bf16_moments.keep_dtype(optimizers, self.moments_dtype)
+            if self.moments != "fp32":  # gsplat's operations grow the state in float32
+                moment_modes.keep_layout(optimizers, self.moments)
         if changed:
             self.renderer.gaussians_changed(len(params["means"]), params)
         timer.step_done()
         return changed
 
     def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], info: dict[str, Any]) -> None:
-        if self.fused_adam is None and self.moments_dtype == torch.bfloat16:
-            bf16_moments.adam_step(optimizers)
+        if self.fused_adam is None and self.moments != "fp32":
+            moment_modes.adam_step(optimizers)
             return
         if self.fused_adam is None:
             for opt in optimizers.values():

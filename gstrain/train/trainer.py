@@ -27,8 +27,8 @@ from gstrain.errors import UserError
 from gstrain.metrics import psnr
 from gstrain.model import save_ply
 from gstrain.render import Renderer
+from gstrain.train import moment_modes
 from gstrain.train.appearance import build_corrections
-from gstrain.train.bf16_moments import restore_dtype, saved_moments_dtype
 from gstrain.train.checkpoint import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from gstrain.train.context import ShardInfo, StepContext, TrainViews
 from gstrain.train.corrections import corrections_state, engine_note, graph_refusers, saved_correction
@@ -220,7 +220,7 @@ class Trainer(RunReporting):
         self.optimizers = build_optimizers(self.params, self.cfg.optim, self.scene.extent)
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state["optimizers"][name])
-        restore_dtype(self.optimizers, saved_moments_dtype(state["optimizers"]), self.cfg.optim.moments, self.log)
+        moment_modes.restore(self.optimizers, state["optimizers"], self.cfg.optim.moments, self.log)
         self.scheduler = build_means_scheduler(self.optimizers["means"], self.cfg.optim, self.cfg.train.steps)
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.load_state_dict(state["strategy"], self.device)

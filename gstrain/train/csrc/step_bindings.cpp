@@ -27,6 +27,12 @@ void check_bf16_cuda(const at::Tensor &t, const char *name, const at::Device &de
 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+void check_dtype_cuda(const at::Tensor &t, const char *name, const at::Device &device, const at::ScalarType dtype) {
+    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
+    TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
 void check_cuda(cudaError_t err, const char *what) {
     TORCH_CHECK(err == cudaSuccess, "gstrain: ", what, " failed: ", cudaGetErrorString(err));
 }
@@ -39,6 +45,9 @@ void check_cuda(cudaError_t err, const char *what) {
 // Moments may be float32 or bfloat16 per tensor (both of one tensor alike); bfloat16 ones are
 // stochastically rounded with the hash of (element, steps[i], salts[2i] or salts[2i+1]), and in a
 // graph step (`scalars`) the step counts are read from scalars[2n + i] instead of `steps`.
+// A tensor with 8-bit moments (exp_avg int8, exp_avg_sq uint8: optim.moments=int8) has its two
+// bfloat16 row scales at scales[2i], scales[2i+1] and a launch of its own (launch_adam_rows8);
+// the other tensors' entries in `scales` are not read.
 void adam_step(
     const std::vector<at::Tensor> &params,
     const std::vector<at::Tensor> &grads,
@@ -53,17 +62,18 @@ void adam_step(
     const std::optional<at::Tensor> &scalars,
     const std::optional<at::Tensor> &skip,
     const std::vector<double> &steps,
-    const std::vector<int64_t> &salts
+    const std::vector<int64_t> &salts,
+    const std::vector<at::Tensor> &scales
 ) {
     const size_t n = params.size();
     TORCH_CHECK(
         grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && step_sizes.size() == n &&
-            inv_sqrt_bc2.size() == n && steps.size() == n && salts.size() == 2 * n,
-        "adam_step: the lists must have the same length (two salts per tensor)"
+            inv_sqrt_bc2.size() == n && steps.size() == n && salts.size() == 2 * n && scales.size() == 2 * n,
+        "adam_step: the lists must have the same length (two salts and two scales per tensor)"
     );
     if (n == 0) return;
-    bool any_bf16 = false;
-    for (const at::Tensor &m : exp_avgs) any_bf16 = any_bf16 || m.scalar_type() == at::kBFloat16;
+    bool any_rounded = false; // bfloat16 or 8-bit moments: their rounding hash reads the step counts
+    for (const at::Tensor &m : exp_avgs) any_rounded = any_rounded || m.scalar_type() != at::kFloat;
     const at::Device device = params[0].device();
     int64_t gaussians = -1;
     const bool *visible_ptr = nullptr;
@@ -79,9 +89,10 @@ void adam_step(
         check_float_cuda(*scalars, "scalars", device);
         TORCH_CHECK(scalars->numel() >= (int64_t)(2 * n), "scalars must hold a (step size, 1/sqrt(bc2)) pair per tensor");
         scalars_ptr = scalars->data_ptr<float>();
-        TORCH_CHECK(!any_bf16 || scalars->numel() >= (int64_t)(3 * n),
-                    "scalars must also hold a step count per tensor with bfloat16 moments");
+        TORCH_CHECK(!any_rounded || scalars->numel() >= (int64_t)(3 * n),
+                    "scalars must also hold a step count per tensor with bfloat16 or 8-bit moments");
     }
+    const float *counts_ptr = scalars_ptr != nullptr && any_rounded ? scalars_ptr + 2 * n : nullptr;
     const int *skip_ptr = nullptr;
     if (skip.has_value() && skip->defined()) {
         TORCH_CHECK(skip->is_cuda() && skip->device() == device && skip->scalar_type() == at::kInt && skip->numel() == 1,
@@ -91,63 +102,106 @@ void adam_step(
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     const int64_t per_block = adam_block_elements();
-    for (size_t start = 0; start < n; start += kMaxAdamTensors) {
-        AdamBatch batch{};
+    AdamBatch batch{};
+    auto reset = [&]() {
+        batch = AdamBatch{};
         batch.beta1 = (float)beta1;
         batch.beta2 = (float)beta2;
         batch.eps = (float)eps;
         batch.visible = visible_ptr;
-        batch.scalars = scalars_ptr != nullptr ? scalars_ptr + 2 * start : nullptr;
-        batch.step_counts = scalars_ptr != nullptr && any_bf16 ? scalars_ptr + 2 * n + start : nullptr;
+        batch.scalars = scalars_ptr;
+        batch.step_counts = counts_ptr;
         batch.skip = skip_ptr;
         batch.first_block[0] = 0;
-        int count = 0;
-        for (size_t i = start; i < n && count < kMaxAdamTensors; ++i, ++count) {
-            const at::Tensor &p = params[i];
-            check_float_cuda(p, "param", device);
-            check_float_cuda(grads[i], "grad", device);
-            const bool bf16 = exp_avgs[i].scalar_type() == at::kBFloat16;
-            if (bf16) {
-                check_bf16_cuda(exp_avgs[i], "exp_avg", device);
-                check_bf16_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
-            } else {
-                check_float_cuda(exp_avgs[i], "exp_avg", device);
-                check_float_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
-            }
-            const int64_t numel = p.numel();
-            TORCH_CHECK(grads[i].numel() == numel && exp_avgs[i].numel() == numel && exp_avg_sqs[i].numel() == numel,
-                        "adam_step: tensor ", i, " and its gradient or state differ in size");
-            int64_t row = 1;
-            if (visible_ptr != nullptr) {
-                TORCH_CHECK(p.dim() >= 1 && p.size(0) == gaussians,
-                            "adam_step: tensor ", i, " has ", p.size(0), " rows but visible has ", gaussians);
-                row = gaussians > 0 ? numel / gaussians : 1;
-            }
-            AdamTensor &t = batch.tensors[count];
+        batch.count = 0;
+    };
+    auto flush = [&]() {
+        if (batch.count == 0) return;
+        TORCH_CHECK(batch.first_block[batch.count] <= std::numeric_limits<int>::max(), "adam_step: too many elements");
+        check_cuda(launch_adam(batch, stream), "fused Adam");
+        reset();
+    };
+    reset();
+    for (size_t i = 0; i < n; ++i) {
+        const at::Tensor &p = params[i];
+        check_float_cuda(p, "param", device);
+        check_float_cuda(grads[i], "grad", device);
+        const int64_t numel = p.numel();
+        TORCH_CHECK(grads[i].numel() == numel && exp_avgs[i].numel() == numel && exp_avg_sqs[i].numel() == numel,
+                    "adam_step: tensor ", i, " and its gradient or state differ in size");
+        if (exp_avgs[i].scalar_type() == at::kChar) {
+            TORCH_CHECK(visible_ptr == nullptr, "adam_step: 8-bit moments take no visibility mask");
+            check_dtype_cuda(exp_avgs[i], "exp_avg", device, at::kChar);
+            check_dtype_cuda(exp_avg_sqs[i], "exp_avg_sq", device, at::kByte);
+            check_dtype_cuda(scales[2 * i], "exp_avg_scale", device, at::kBFloat16);
+            check_dtype_cuda(scales[2 * i + 1], "exp_avg_sq_scale", device, at::kBFloat16);
+            TORCH_CHECK(p.dim() >= 1, "adam_step: a tensor with 8-bit moments needs rows");
+            const int64_t rows = p.size(0);
+            TORCH_CHECK(scales[2 * i].numel() == rows && scales[2 * i + 1].numel() == rows,
+                        "adam_step: tensor ", i, " needs a scale per row");
+            AdamRows8 t{};
             t.param = p.data_ptr<float>();
             t.grad = grads[i].data_ptr<float>();
-            t.bf16 = bf16;
-            if (bf16) {
-                t.exp_avg_bf16 = reinterpret_cast<uint16_t *>(exp_avgs[i].data_ptr<at::BFloat16>());
-                t.exp_avg_sq_bf16 = reinterpret_cast<uint16_t *>(exp_avg_sqs[i].data_ptr<at::BFloat16>());
-            } else {
-                t.exp_avg = exp_avgs[i].data_ptr<float>();
-                t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
-            }
-            t.salt_avg = (uint32_t)(salts[2 * i] & 0xFFFFFFFF);
-            t.salt_avg_sq = (uint32_t)(salts[2 * i + 1] & 0xFFFFFFFF);
-            t.step = (float)steps[i];
-            t.numel = numel;
-            t.row = row > 0 ? row : 1;
+            t.exp_avg = exp_avgs[i].data_ptr<int8_t>();
+            t.exp_avg_sq = exp_avg_sqs[i].data_ptr<uint8_t>();
+            t.exp_avg_scale = reinterpret_cast<uint16_t *>(scales[2 * i].data_ptr<at::BFloat16>());
+            t.exp_avg_sq_scale = reinterpret_cast<uint16_t *>(scales[2 * i + 1].data_ptr<at::BFloat16>());
+            t.rows = rows;
+            t.width = rows > 0 ? numel / rows : 0;
+            t.beta1 = (float)beta1;
+            t.beta2 = (float)beta2;
+            t.eps = (float)eps;
             t.step_size = (float)step_sizes[i];
             t.inv_sqrt_bc2 = (float)inv_sqrt_bc2[i];
-            t.vec4 = !bf16 && aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
-            batch.first_block[count + 1] = batch.first_block[count] + (numel + per_block - 1) / per_block;
+            t.step = (float)steps[i];
+            t.salt_avg = (uint32_t)(salts[2 * i] & 0xFFFFFFFF);
+            t.salt_avg_sq = (uint32_t)(salts[2 * i + 1] & 0xFFFFFFFF);
+            t.scalars = scalars_ptr != nullptr ? scalars_ptr + 2 * i : nullptr;
+            t.step_count = counts_ptr != nullptr ? counts_ptr + i : nullptr;
+            t.skip = skip_ptr;
+            check_cuda(launch_adam_rows8(t, stream), "fused Adam (8-bit moments)");
+            continue;
         }
-        batch.count = count;
-        TORCH_CHECK(batch.first_block[count] <= std::numeric_limits<int>::max(), "adam_step: too many elements");
-        check_cuda(launch_adam(batch, stream), "fused Adam");
+        const bool bf16 = exp_avgs[i].scalar_type() == at::kBFloat16;
+        if (bf16) {
+            check_bf16_cuda(exp_avgs[i], "exp_avg", device);
+            check_bf16_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+        } else {
+            check_float_cuda(exp_avgs[i], "exp_avg", device);
+            check_float_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+        }
+        int64_t row = 1;
+        if (visible_ptr != nullptr) {
+            TORCH_CHECK(p.dim() >= 1 && p.size(0) == gaussians,
+                        "adam_step: tensor ", i, " has ", p.size(0), " rows but visible has ", gaussians);
+            row = gaussians > 0 ? numel / gaussians : 1;
+        }
+        const int count = batch.count;
+        AdamTensor &t = batch.tensors[count];
+        t.param = p.data_ptr<float>();
+        t.grad = grads[i].data_ptr<float>();
+        t.bf16 = bf16;
+        if (bf16) {
+            t.exp_avg_bf16 = reinterpret_cast<uint16_t *>(exp_avgs[i].data_ptr<at::BFloat16>());
+            t.exp_avg_sq_bf16 = reinterpret_cast<uint16_t *>(exp_avg_sqs[i].data_ptr<at::BFloat16>());
+        } else {
+            t.exp_avg = exp_avgs[i].data_ptr<float>();
+            t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+        }
+        t.salt_avg = (uint32_t)(salts[2 * i] & 0xFFFFFFFF);
+        t.salt_avg_sq = (uint32_t)(salts[2 * i + 1] & 0xFFFFFFFF);
+        t.step = (float)steps[i];
+        t.numel = numel;
+        t.row = row > 0 ? row : 1;
+        t.step_size = (float)step_sizes[i];
+        t.inv_sqrt_bc2 = (float)inv_sqrt_bc2[i];
+        t.vec4 = !bf16 && aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
+        t.index = (int)i;
+        batch.first_block[count + 1] = batch.first_block[count] + (numel + per_block - 1) / per_block;
+        batch.count = count + 1;
+        if (batch.count == kMaxAdamTensors) flush();
     }
+    flush();
 }
 
 // DefaultStrategy's running statistics for one camera, in place: grad2d and count [N] float32.

@@ -74,8 +74,8 @@ __global__ void adam_kernel(const AdamBatch batch) {
     int i = 0;
     while (i + 1 < batch.count && block >= batch.first_block[i + 1]) ++i; // at most 8 compares
     const AdamTensor &t = batch.tensors[i];
-    const float step_size = batch.scalars != nullptr ? batch.scalars[2 * i] : t.step_size;
-    const float inv_sqrt_bc2 = batch.scalars != nullptr ? batch.scalars[2 * i + 1] : t.inv_sqrt_bc2;
+    const float step_size = batch.scalars != nullptr ? batch.scalars[2 * t.index] : t.step_size;
+    const float inv_sqrt_bc2 = batch.scalars != nullptr ? batch.scalars[2 * t.index + 1] : t.inv_sqrt_bc2;
     const int64_t e0 = (block - batch.first_block[i]) * kAdamBlockElements + (int64_t)kAdamPerThread * threadIdx.x;
     if (e0 >= t.numel) return;
     bool drawn[kAdamPerThread];
@@ -84,7 +84,7 @@ __global__ void adam_kernel(const AdamBatch batch) {
         drawn[k] = batch.visible == nullptr || (e0 + k < t.numel && batch.visible[(e0 + k) / t.row]);
     if (t.bf16) {
         // in a graph replay the count comes from the device: the argument is frozen at capture
-        const float count = batch.step_counts != nullptr ? batch.step_counts[i] : t.step;
+        const float count = batch.step_counts != nullptr ? batch.step_counts[t.index] : t.step;
         const uint32_t step = (uint32_t)count;
         const uint32_t seed_avg = step_seed(step, t.salt_avg), seed_avg_sq = step_seed(step, t.salt_avg_sq);
 #pragma unroll
@@ -123,6 +123,104 @@ __global__ void adam_kernel(const AdamBatch batch) {
     }
 }
 
+// optim.moments=int8, the same codes as gstrain/train/int8_moments.py (scale_up_bf16,
+// quantise_rows, step_tensor): explicitly rounded float32 operations in its order.
+constexpr int kRows8Threads = 256;
+constexpr int kWarp = 32;
+
+// torch.amax's maximum: NaN wins
+__device__ __forceinline__ float nan_max(const float a, const float b) { return (isnan(a) || a > b) ? a : b; }
+
+// float32 x >= 0 -> the next bfloat16 at or above it; past the largest finite one (and infinity)
+// the largest finite one; NaN the canonical NaN
+__device__ __forceinline__ uint16_t scale_up_bf16(const float x) {
+    if (isnan(x)) return 0x7FC0u;
+    const uint32_t r = (__float_as_uint(x) + 0xFFFFu) >> 16;
+    return r >= 0x7F80u ? (uint16_t)0x7F7Fu : (uint16_t)r;
+}
+
+// y = x / scale, u = 16 bits of the element's noise / 2^16: code = floor(y + u), or with `squares`
+// lo + (u < (y^2 - lo^2) / (2 lo + 1)), lo = floor(y) (unbiased in y^2); in [-levels, levels]; NaN -> 0
+__device__ __forceinline__ float code_of(const float x, const float scale, const float levels, const bool squares,
+                                         const uint32_t seed, const int64_t e) {
+    uint32_t h = mix32((uint32_t)e ^ seed);
+    const uint32_t hi = (uint32_t)((uint64_t)e >> 32);
+    if (hi != 0) h = mix32(h ^ hi);
+    const float u = __fmul_rn((float)(h >> 16), 1.0f / 65536.0f);
+    const float y = scale == 0.0f ? 0.0f : __fdiv_rn(x, scale);
+    float q;
+    if (squares) {
+        const float lo = floorf(y);
+        const float f = __fdiv_rn(__fsub_rn(__fmul_rn(y, y), __fmul_rn(lo, lo)), __fadd_rn(__fmul_rn(lo, 2.0f), 1.0f));
+        q = __fadd_rn(lo, u < f ? 1.0f : 0.0f);
+    } else {
+        q = floorf(__fadd_rn(y, u));
+    }
+    if (isnan(q)) return 0.0f;
+    return fminf(fmaxf(q, -levels), levels);
+}
+
+// m and v of element e from its decoded moments (int8_moments.step_tensor: update_moments' order)
+__device__ __forceinline__ void rows8_moments(const AdamRows8 &t, const int64_t e, const float sm, const float sr,
+                                              float &m, float &v) {
+    const float g = t.grad[e];
+    const float m0 = __fmul_rn((float)t.exp_avg[e], sm);
+    const float r0 = __fmul_rn((float)t.exp_avg_sq[e], sr);
+    const float v0 = __fmul_rn(r0, r0);
+    const float c1 = __fsub_rn(1.0f, t.beta1);
+    const float c2 = __fsub_rn(1.0f, t.beta2);
+    m = __fadd_rn(m0, __fmul_rn(__fsub_rn(g, m0), c1));
+    v = __fadd_rn(__fmul_rn(v0, t.beta2), __fmul_rn(__fmul_rn(g, g), c2));
+}
+
+// A warp per row: pass one computes the row's new moments for their largest magnitudes (the new
+// scales), pass two computes them again (the same bits), updates the parameter with the guarded
+// denominator max(sqrt(v) / sqrt(bc2) + eps, |m|) and stores the codes; each lane reads and writes
+// only its own elements, and the old scales are read before lane 0 stores the new ones.
+__global__ void adam_rows8_kernel(const AdamRows8 t) {
+    if (t.skip != nullptr && *t.skip != 0) return;
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
+    const int lane = threadIdx.x % kWarp;
+    if (row >= t.rows) return; // (the whole warp: its lanes share the row)
+    const float step_size = t.scalars != nullptr ? t.scalars[0] : t.step_size;
+    const float inv_sqrt_bc2 = t.scalars != nullptr ? t.scalars[1] : t.inv_sqrt_bc2;
+    // in a graph replay the count comes from the device: the argument is frozen at capture
+    const uint32_t step = (uint32_t)(t.step_count != nullptr ? *t.step_count : t.step);
+    const uint32_t seed_avg = step_seed(step, t.salt_avg), seed_avg_sq = step_seed(step, t.salt_avg_sq);
+    const float sm = bf16_to_float(t.exp_avg_scale[row]);
+    const float sr = bf16_to_float(t.exp_avg_sq_scale[row]);
+    const int64_t first = row * t.width;
+    float m_max = 0.0f, r_max = 0.0f;
+    for (int64_t j = lane; j < t.width; j += kWarp) {
+        float m, v;
+        rows8_moments(t, first + j, sm, sr, m, v);
+        m_max = nan_max(m_max, fabsf(m));
+        r_max = nan_max(r_max, __fsqrt_rn(v));
+    }
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+        m_max = nan_max(m_max, __shfl_xor_sync(0xFFFFFFFFu, m_max, offset));
+        r_max = nan_max(r_max, __shfl_xor_sync(0xFFFFFFFFu, r_max, offset));
+    }
+    const uint16_t new_sm = scale_up_bf16(__fdiv_rn(m_max, 127.0f));
+    const uint16_t new_sr = scale_up_bf16(__fdiv_rn(r_max, 255.0f));
+    const float sm1 = bf16_to_float(new_sm), sr1 = bf16_to_float(new_sr);
+    for (int64_t j = lane; j < t.width; j += kWarp) {
+        const int64_t e = first + j;
+        float m, v;
+        rows8_moments(t, e, sm, sr, m, v);
+        const float r = __fsqrt_rn(v);
+        const float denom = nan_max(__fadd_rn(__fmul_rn(r, inv_sqrt_bc2), t.eps), fabsf(m)); // torch.maximum
+        t.param[e] -= step_size * __fdiv_rn(m, denom);
+        t.exp_avg[e] = (int8_t)code_of(m, sm1, 127.0f, false, seed_avg, e);
+        t.exp_avg_sq[e] = (uint8_t)code_of(r, sr1, 255.0f, true, seed_avg_sq, e);
+    }
+    __syncwarp();
+    if (lane == 0) {
+        t.exp_avg_scale[row] = new_sm;
+        t.exp_avg_sq_scale[row] = new_sr;
+    }
+}
+
 __global__ void grad2d_stats_kernel(
     const int64_t n,
     const float2 *__restrict__ grad,
@@ -156,6 +254,13 @@ cudaError_t launch_adam(const AdamBatch &batch, cudaStream_t stream) {
     const int64_t blocks = batch.first_block[batch.count];
     if (blocks == 0) return cudaSuccess;
     adam_kernel<<<(unsigned)blocks, kAdamThreads, 0, stream>>>(batch);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_adam_rows8(const AdamRows8 &t, cudaStream_t stream) {
+    if (t.rows == 0) return cudaSuccess;
+    const int64_t blocks = (t.rows * kWarp + kRows8Threads - 1) / kRows8Threads;
+    adam_rows8_kernel<<<(unsigned)blocks, kRows8Threads, 0, stream>>>(t);
     return cudaGetLastError();
 }
 

@@ -30,6 +30,7 @@ struct AdamTensor {
     float step_size;    // lr / (1 - beta1^step)
     float inv_sqrt_bc2; // 1 / sqrt(1 - beta2^step)
     bool vec4;          // all four arrays 16-byte aligned: the kernel moves float4s
+    int index;          // the tensor's place in the whole list: its pair and count in the device scalars
 };
 
 struct AdamBatch {
@@ -40,11 +41,11 @@ struct AdamBatch {
     float beta2;
     float eps;
     const bool *visible; // [N] or nullptr: when set, Gaussians off screen keep parameter and moments
-    // CUDA-graph steps: per-tensor (step_size, inv_sqrt_bc2) pairs read on the device (this batch's
-    // first pair at [0]) instead of the fields above, and a flag that, when non-zero, skips the step
+    // CUDA-graph steps: per-tensor (step_size, inv_sqrt_bc2) pairs read on the device (tensor t's
+    // at [2 t.index]) instead of the fields above, and a flag that, when non-zero, skips the step
     const float *scalars; // nullptr: use AdamTensor's fields
-    // with `scalars` and bfloat16 moments: each tensor's step count on the device (this batch's
-    // first at [0]) instead of AdamTensor::step
+    // with `scalars` and bfloat16 moments: each tensor's step count on the device (at [t.index])
+    // instead of AdamTensor::step
     const float *step_counts;
     const int *skip;      // nullptr: never skip
 };
@@ -53,6 +54,34 @@ struct AdamBatch {
 int64_t adam_block_elements();
 
 cudaError_t launch_adam(const AdamBatch &batch, cudaStream_t stream);
+
+// optim.moments=int8 (gstrain/train/int8_moments.py): one tensor of `rows` rows of `width` values
+// whose moments are 8-bit codes with a bfloat16 scale per row: exp_avg int8 (m = code * scale),
+// exp_avg_sq uint8 (sqrt(v) = code * scale). A warp updates a row: the row's new largest |m| and
+// sqrt(v) set its new scales, then every code is stochastically rounded against them.
+struct AdamRows8 {
+    float *param;
+    const float *grad;
+    int8_t *exp_avg;
+    uint8_t *exp_avg_sq;
+    uint16_t *exp_avg_scale; // bfloat16 bits, [rows]
+    uint16_t *exp_avg_sq_scale;
+    int64_t rows;
+    int64_t width;
+    float beta1;
+    float beta2;
+    float eps;
+    float step_size;    // lr / (1 - beta1^step)
+    float inv_sqrt_bc2; // 1 / sqrt(1 - beta2^step)
+    float step;         // the Adam step count (1 first): the rounding hash's counter
+    uint32_t salt_avg;
+    uint32_t salt_avg_sq;
+    const float *scalars;     // nullptr, or this tensor's (step_size, inv_sqrt_bc2) on the device (graph steps)
+    const float *step_count;  // nullptr, or this tensor's step count on the device (graph steps)
+    const int *skip;          // nullptr: never skip
+};
+
+cudaError_t launch_adam_rows8(const AdamRows8 &t, cudaStream_t stream);
 
 // grad2d[i] += |(grad[i].x * scale_x, grad[i].y * scale_y)| and count[i] += 1 for every Gaussian
 // whose radii are both > 0 (DefaultStrategy's running statistics for one camera). With `size`
