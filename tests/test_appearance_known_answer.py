@@ -55,6 +55,7 @@ def _train(scene_dir: Path, run: Path, appearance: str) -> tuple[Trainer, dict]:
 
 
 @pytest.mark.skipif(os.environ.get("GSTRAIN_SKIP_SLOW") == "1", reason="two 600-step CPU runs (about a minute)")
+@pytest.mark.slow
 def test_learned_corrections_recover_the_gains_and_raise_test_psnr(exposed_scene, tmp_path):
     with_app, summary_with = _train(exposed_scene, tmp_path / "affine", "affine")
     _, summary_without = _train(exposed_scene, tmp_path / "none", "none")

@@ -15,6 +15,7 @@ from gstrain.train.trainer import Trainer
 from tests.test_pose_refine import perturbed, pose_errors
 
 
+@pytest.mark.slow
 def test_known_answer_refinement_pulls_perturbed_poses_back(demo_scene, tmp_path):
     """Poses perturbed by 1 degree and 1% of the extent, refined against a scene fitted to the
     true poses: the mean error against the true poses shrinks (rotation and camera centre).
