@@ -16,7 +16,23 @@ REPO_ROOT = Path(__file__).resolve().parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # `make test` hands whole files to two workers (--dist loadfile). By default xdist queues the
+    # files by their number of tests, which put the one-test files of the longest known-answer
+    # runs at the very end, one behind the other; the order of the items below is kept instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Files holding a `slow` test first (stable: collection order otherwise), so that the
+    workers start with the long ones and the many short files even out the end of the run."""
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_files_first(items)
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run bench/gpu_tests.sh on a GPU machine)")

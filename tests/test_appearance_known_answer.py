@@ -65,6 +65,7 @@ def train_demo(scene_dir: Path, run: Path, appearance: str, steps: int = 600,
 
 
 @pytest.mark.skipif(os.environ.get("GSTRAIN_SKIP_SLOW") == "1", reason="two 600-step CPU runs (about a minute)")
+@pytest.mark.slow
 def test_learned_corrections_recover_the_gains_and_raise_test_psnr(exposed_scene, tmp_path):
     with_app, summary_with = train_demo(exposed_scene, tmp_path / "affine", "affine")
     _, summary_without = train_demo(exposed_scene, tmp_path / "none", "none")

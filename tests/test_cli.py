@@ -103,6 +103,7 @@ def test_eval_and_export_on_non_run(tmp_path):
     assert_one_error(*call_cli("export", tmp_path / "missing"), "not found")
 
 
+@pytest.mark.slow
 def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     run = tmp_path / "run"
     proc = run_cli("fit", demo_scene, "--out", run, "--steps", "150", "--seed", "1", *FAST,

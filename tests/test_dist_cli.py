@@ -66,6 +66,7 @@ def _signal_rank_one(scene: Path, run: Path, sig: int, extra: str) -> tuple[str,
     return proc.communicate(timeout=120)[1], proc
 
 
+@pytest.mark.slow
 def test_torchrun_fit_sigint_to_one_rank_stops_all_with_a_checkpoint(demo_scene, tmp_path):
     run = tmp_path / "run"
     err, proc = _signal_rank_one(demo_scene, run, signal.SIGINT, "log.keep_ckpts=0")

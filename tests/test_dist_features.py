@@ -43,6 +43,7 @@ def _page_answers(port: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_viewer_under_two_ranks_serves_the_page_on_rank_zero_and_training_ends(demo_scene, tmp_path):
     port = _free_port()
     proc = _torchrun(demo_scene, tmp_path / "run", 2, "--viewer", "--set", f"viewer.port={port}",
@@ -70,6 +71,7 @@ def test_absgrad_with_several_ranks_is_one_line_naming_what_is_missing(demo_scen
     assert "/gstrain/" not in err  # no traceback through gstrain (torchrun prints its own for a failed worker)
 
 
+@pytest.mark.slow
 def test_mcmc_under_two_ranks_relocates_and_samples_per_owner(demo_scene, tmp_path):
     """Each owner grows its shard up to half of cap_max (300 + 5% per refinement, 3 refinements)."""
     run = tmp_path / "run"

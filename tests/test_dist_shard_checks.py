@@ -59,6 +59,7 @@ def _shards(run: Path, step: int) -> Path:
     return run / "ckpt" / f"step_{step}.shards"
 
 
+@pytest.mark.slow
 def test_shards_carry_rank_step_world_and_the_manifest_their_digests(sharded):
     folder = _shards(sharded, 8)
     manifest = json.loads((folder / "manifest.json").read_text())

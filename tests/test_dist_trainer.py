@@ -135,6 +135,7 @@ def _assert_equal_rows(results: list[dict], expected: dict[str, torch.Tensor]) -
         torch.testing.assert_close(got[k], v[order], rtol=1e-4, atol=2e-5, msg=k)
 
 
+@pytest.mark.slow
 def test_w_ranks_equal_one_process_and_resume_at_any_world_size(demo_scene, tmp_path):
     """W=2 (locality) and W=3 (round robin) equal one process with the same global batch; a
     sharded checkpoint resumes at W=2 bit for bit, at W=1 (plain trainer) and at W=3."""

@@ -135,6 +135,7 @@ def _expected(name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.skipif(os.environ.get("OMP_NUM_THREADS") != "1",
                     reason="bit-identical CPU sums need one thread (run with OMP_NUM_THREADS=1)")
 @pytest.mark.parametrize("name", RUNS)
+@pytest.mark.slow
 def test_demo_run_is_bit_identical_to_the_stored_one(name, tmp_path):
     expected = _expected(name)
     got = make_run(name, tmp_path)

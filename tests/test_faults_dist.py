@@ -46,6 +46,7 @@ def test_process_group_set_up_failure_is_one_line(demo_scene: Path, tmp_path: Pa
 
 
 # ------------------------------------------------------------------- 17: rank 0 killed
+@pytest.mark.slow
 def test_rank_outliving_a_killed_rank_zero_says_one_line(demo_scene: Path, tmp_path: Path) -> None:
     """torchrun SIGTERMs the ranks that outlive a failed one; that signal must not turn the
     survivor's error into a traceback (a race: tried three times)."""

@@ -87,6 +87,7 @@ def test_background_mode_trains_masked_pixels_to_the_background(scenes, ignore_r
     assert brightness < ignore_brightness - 0.15, (brightness, ignore_brightness)
 
 
+@pytest.mark.slow
 def test_cli_demo_masks_and_masked_eval(tmp_path):
     scene, run = tmp_path / "scene", tmp_path / "run"
     proc = run_cli("demo-scene", scene, "--views", "8", "--size", "32", "--masks")

@@ -175,7 +175,6 @@ def test_sharded_run_refuses_pose_refine():
         _check_sharded(config(10, True))
 
 
-@pytest.mark.slow
 def aligned_axis_errors(views, truth) -> np.ndarray:
     """Per view, the rotation error (degrees, axis-angle in the true camera's frame: x pitch, y yaw,
     z roll) after the similarity that best maps the views' centres onto the true ones (umeyama)."""

@@ -15,6 +15,7 @@ from gstrain.train.trainer import Trainer
 from tests.test_pose_refine import perturbed, pose_errors
 
 
+@pytest.mark.slow
 def test_known_answer_refinement_pulls_perturbed_poses_back(demo_scene, tmp_path):
     """Poses perturbed by 1 degree and 1% of the extent, refined against a scene fitted to the
     true poses: the mean error against the true poses shrinks (rotation and camera centre).
@@ -23,6 +24,9 @@ def test_known_answer_refinement_pulls_perturbed_poses_back(demo_scene, tmp_path
     update alone. A frozen scene pins the world frame, so the gauge projection (train/pose_gauge.py,
     for joint training, where the frame is free) is off: it would hold back the views' common error."""
     scene = load_scene(demo_scene)
+    # every other SfM point (2113 of 4225 Gaussians): the fit costs half, the poses are refined
+    # as well (measured: rotation 0.35x, centre 0.54x the given error; all points: 0.31x, 0.48x)
+    scene.points, scene.point_colors = scene.points[::2], scene.point_colors[::2]
     truth = list(scene.train)
     cfg = build_config(overrides=[{
         "train": {"steps": 600, "device": "cpu", "pose_refine": True, "pose_refine_start": 10**6},

@@ -91,6 +91,7 @@ def test_sigterm_in_the_early_window_then_resume_equals_uninterrupted(
     _resume_matches(run, demo_scene, full_run)
 
 
+@pytest.mark.slow
 def test_two_quick_ctrl_c_stop_at_once_and_say_what_was_kept(
     demo_scene: Path, tmp_path: Path, full_run: dict
 ) -> None:

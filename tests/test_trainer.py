@@ -82,6 +82,7 @@ def test_sh_degree_at_is_the_one_schedule():
     assert sh_degree_at(50, 10, 0) == 0
 
 
+@pytest.mark.slow
 def test_training_reduces_loss(scene, tmp_path):
     trainer = make_trainer(scene, tmp_path / "run")
     losses = []

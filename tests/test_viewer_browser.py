@@ -121,6 +121,7 @@ def _frustum_pixel(scene: Path, start: str) -> tuple[str, tuple[float, float]]:
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+@pytest.mark.slow
 def test_view_draws_the_scene_in_chromium(trained_run, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip, dev extras)")
     scene = trained_run.parent / "scene"
@@ -173,6 +174,7 @@ def test_view_bad_input(tmp_path, trained_run):
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+@pytest.mark.slow
 def test_fit_viewer_pause_and_resume_in_chromium(trained_run, tmp_path):
     """The page's pause button holds training between steps, and resume lets it go on."""
     playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip, dev extras)")

@@ -246,6 +246,7 @@ def test_bench_train_forked_runs_are_compared_fork_by_fork(tmp_path, capsys):
     assert bench_report.sign_flip_p([0.3, -0.3, 0.2, -0.2], resamples=4000) > 0.9
 
 
+@pytest.mark.slow
 def test_bench_train_forks_on_the_cpu(demo_scene, tmp_path, capsys):
     """Every pipeline resumes its own copy of one trunk checkpoint; on the CPU (one deterministic
     renderer, the switches being GPU-only) all continuations must land on the same figures."""
