@@ -16,9 +16,6 @@ LONE_POINT_DIST = 1.0
 
 _KNN_BLOCK = 512  # queries per block, consecutive along a Morton curve
 _KNN_BUDGET = 1 << 22  # max elements of one distance matrix (32 MiB of float64)
-# On a GPU a block's ops cost launches and a few host syncs, not arithmetic: far fewer, larger blocks
-_GPU_KNN_BLOCK = 8192
-_GPU_KNN_BUDGET = 1 << 26  # 512 MiB of float64
 MORTON_BITS = 21  # per axis: 63-bit codes fit int64
 
 
@@ -47,8 +44,8 @@ def knn_sq_dists(points: Tensor, k: int, workers: int = 1) -> Tensor:
     n = points.shape[0]
     if not 0 < k < n:
         raise ValueError(f"need 0 < k < N, got k={k}, N={n}")
-    if points.is_cuda:  # the same search on the device, in large blocks (no threads: one stream)
-        return _knn_sq_dists(points.detach().float(), k, 1, _GPU_KNN_BLOCK, _GPU_KNN_BUDGET)
+    if points.is_cuda:  # the same search on the device, one stream (a block costs launches and a few syncs)
+        return _knn_sq_dists(points.detach().float(), k)
     # Many small ops: intra-op threads only add sync overhead here (5-10x slower when the cores
     # are shared), so run single-threaded and restore the caller's setting.
     threads = torch.get_num_threads()

@@ -40,13 +40,14 @@ def _exposed(scene: Scene) -> Scene:
 
 
 def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool, model: str = "affine") -> tuple:
-    """A graph run and an eager run from the same start, STEPS steps each; every step's exact loss
-    (a graph run's settled, so a redone replay's loss counts)."""
+    """A graph run and two eager runs from the same start, STEPS steps each; every step's exact loss
+    (a graph run's settled, so a redone replay's loss counts). The second eager run measures what
+    float atomics alone part two runs by (grid_sample's backward adds into the grid with atomics)."""
     from gstrain.train import graph_capacity
     from gstrain.train.trainer import seed_everything
 
     runs = {}
-    for name, graphs in (("graph", True), ("eager", False)):
+    for name, graphs in (("graph", True), ("eager", False), ("again", False)):
         seed_everything(0)
         runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=MODELS[model])
     assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
@@ -63,19 +64,29 @@ def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool, model: str = 
                 redone = run.graphs.settle()
                 loss = redone.loss if redone is not None else loss
             losses[name].append(float(loss))
-    return runs["graph"], runs["eager"], losses
+    return runs["graph"], runs["eager"], runs["again"], losses
 
 
-def _same_table(graphed, eager) -> None:
-    (a,), (b,) = graphed.ctx.corrections, eager.ctx.corrections
+def _same_table(graphed, eager, again) -> None:
+    """The graph run's table within TABLE_TOL of the eager run's, or within 3x what the second eager
+    run differs by (Adam turns a cell's near-zero, atomics-noisy gradient into a whole step)."""
+    (a,), (b,), (c,) = graphed.ctx.corrections, eager.ctx.corrections, again.ctx.corrections
     moved = float((b.table.detach() - b.identity.expand_as(b.table)).abs().max())
     assert moved > 10 * TABLE_TOL, moved  # it learned: the comparison below means something
     diff = float((a.table.detach() - b.table.detach()).abs().max())
-    assert diff < TABLE_TOL, diff
+    noise = float((c.table.detach() - b.table.detach()).abs().max())
+    assert diff < max(TABLE_TOL, 3 * noise), (diff, noise)
     steps = [float(c.optimizer.state[c.table]["step"]) for c in (a, b)]
     assert steps == [STEPS - APPEARANCE["appearance_start"]] * 2, steps  # no Adam step lost or doubled
-    for x, y in zip(a.graph_adam.moments(), b.graph_adam.moments(), strict=True):
-        assert float((x - y).abs().max()) <= 1e-3 * float(y.abs().max()) + 1e-12
+    for x, y, z in zip(a.graph_adam.moments(), b.graph_adam.moments(), c.graph_adam.moments(), strict=True):
+        bound = max(1e-3 * float(y.abs().max()), 3 * float((z - y).abs().max())) + 1e-12
+        assert float((x - y).abs().max()) <= bound
+
+
+def _same_losses(losses: dict[str, list[float]]) -> None:
+    """Each step's graph loss within 1e-5 of the eager one's, or 3x the two eager runs' difference."""
+    for step, (x, y, z) in enumerate(zip(losses["graph"], losses["eager"], losses["again"], strict=True)):
+        assert abs(x - y) <= max(1e-5 * abs(y), 3 * abs(z - y)), (step, x, y, z)
 
 
 def _graph_steps_ran(g, overflow: bool) -> None:
@@ -87,13 +98,12 @@ def _graph_steps_ran(g, overflow: bool) -> None:
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("overflow", [False, True])
 def test_graph_steps_with_appearance_equal_eager_steps(demo_scene, tmp_path, monkeypatch, overflow, model):
-    graphed, eager, losses = _run_pair(_exposed(load_scene(demo_scene)), tmp_path, monkeypatch, overflow, model)
+    graphed, eager, again, losses = _run_pair(_exposed(load_scene(demo_scene)), tmp_path, monkeypatch, overflow, model)
     g = graphed.graphs
     assert g.canvas is None, g.summary()  # one size: the per-size path, its view index added for the table
     _graph_steps_ran(g, overflow)
-    for step, (x, y) in enumerate(zip(losses["graph"], losses["eager"], strict=True)):
-        assert abs(x - y) <= 1e-5 * abs(y), (step, x, y)
-    _same_table(graphed, eager)
+    _same_losses(losses)
+    _same_table(graphed, eager, again)
     _same_model(graphed, eager, 1e-4)
 
 
@@ -103,11 +113,10 @@ def test_canvas_graph_steps_with_appearance_equal_eager_canvas_steps(demo_scene,
                                                                       model):  # fmt: skip
     scene = mixed_sizes(_exposed(load_scene(demo_scene)))
     eager_steps_on_the_canvas(monkeypatch, (64, 64))
-    graphed, eager, losses = _run_pair(scene, tmp_path, monkeypatch, overflow, model)
+    graphed, eager, again, losses = _run_pair(scene, tmp_path, monkeypatch, overflow, model)
     g = graphed.graphs
     assert g.canvas is not None and g.canvas[:2] == (64, 64), g.summary()
     _graph_steps_ran(g, overflow)
-    for step, (x, y) in enumerate(zip(losses["graph"], losses["eager"], strict=True)):
-        assert abs(x - y) <= 1e-5 * abs(y), (step, x, y)
-    _same_table(graphed, eager)
+    _same_losses(losses)
+    _same_table(graphed, eager, again)
     _same_model(graphed, eager, 1e-4)

@@ -54,6 +54,7 @@ def _train_view_psnr(trainer) -> float:
     return float(np.mean(scores))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("GSTRAIN_SKIP_SLOW") == "1", reason="two 150-step CPU runs (about half a minute)")
 def test_bilateral_fits_a_per_view_falloff_the_affine_cannot(falloff_scene, tmp_path):
     affine, affine_summary = train_demo(falloff_scene, tmp_path / "affine", "affine", STEPS)

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch import Tensor
 
 from bench.graph_cases import graph_trainer
 from gstrain.config import OptimConfig
@@ -129,33 +130,41 @@ def test_graph_replays_read_the_step_count_and_sizes_from_the_device():
     _close_params(graphed, eager)
 
 
-def _trainer(scene, root, graphs: bool) -> Trainer:
+def _trainer(scene, root, graphs: bool, name: str | None = None) -> Trainer:
     # the engine tests' trainer (atomic mode warp: ARC's tuning rounds run eagerly); the SH degree
     # rises every 5 steps so that shN has gradients, and 8-bit moments to step, within 30 steps
-    return graph_trainer(scene, root, "g" if graphs else "e", graphs=graphs, optim={"moments": "int8"},
+    return graph_trainer(scene, root, name or ("g" if graphs else "e"), graphs=graphs, optim={"moments": "int8"},
                          train={"sh_degree_interval": 5})  # fmt: skip
+
+
+def _row_spread(x: Tensor, y: Tensor) -> Tensor:
+    """Each row's largest difference, relative to y's largest value."""
+    return (x - y).abs().reshape(len(x), -1).amax(1) / float(y.abs().max().clamp_min(1e-12))
 
 
 def test_graph_engine_trains_with_int8_moments_as_eager_steps(demo_scene, tmp_path):
     """Thirty steps with refinements and a reset between replays, graphs on and off, from the same
-    start: the same model within the tolerance of the float32 engine test (test_graph_cuda.py;
-    float atomics part the runs a little), the int8 layout throughout."""
+    start, the int8 layout throughout. Float atomics in the backward part two runs a little, and an
+    8-bit code that rounds the other way moves a row by up to 1/127 of its scale: so the graph run
+    is held to what a second eager run from the same start differs by (3x, with the float32
+    engine test's tolerance as the floor), not to a fixed bound."""
     from gstrain.train.trainer import seed_everything
 
     scene = load_scene(demo_scene)
-    seed_everything(0)
-    graphed = _trainer(scene, tmp_path, True)
-    seed_everything(0)
-    eager = _trainer(scene, tmp_path, False)
-    assert graphed.graphs is not None and eager.graphs is None
+    runs = {}
+    for name, graphs in (("graph", True), ("eager", False), ("again", False)):
+        seed_everything(0)
+        runs[name] = _trainer(scene, tmp_path, graphs, name)
+    graphed, eager, again = runs["graph"], runs["eager"], runs["again"]
+    assert graphed.graphs is not None and eager.graphs is None and again.graphs is None
     for step in range(30):
-        for run in (graphed, eager):
+        for run in runs.values():
             torch.cuda.manual_seed(1000 + step)
             run.step = step
             run.train_step(step)
     graphed.graphs.settle()
     assert graphed.graphs.captures >= 3 and graphed.graphs.views >= 15, graphed.graphs.summary()
-    for run in (graphed, eager):
+    for run in runs.values():
         for k, p in run.params.items():
             assert torch.isfinite(p).all(), k
             state = run.optimizers[k].state[p]
@@ -164,12 +173,12 @@ def test_graph_engine_trains_with_int8_moments_as_eager_steps(demo_scene, tmp_pa
                 if key != "step":
                     assert value.shape[0] == p.shape[0], (k, key)
         assert run.optimizers["shN"].state[run.params["shN"]]["exp_avg_scale"].any()  # shN was stepped
-    assert len(graphed.params["means"]) == len(eager.params["means"])
+    assert len(graphed.params["means"]) == len(eager.params["means"]) == len(again.params["means"])
     for k in graphed.params:
-        x, y = graphed.params[k].detach(), eager.params[k].detach()
-        scale = float(y.abs().max().clamp_min(1e-12))
-        rows = (x - y).abs().reshape(len(x), -1).amax(1) / scale
-        assert int((rows >= 1e-4).sum()) <= 0.01 * len(rows) and float(rows.max()) < 1e-2, k
+        rows = _row_spread(graphed.params[k].detach(), eager.params[k].detach())
+        noise = _row_spread(again.params[k].detach(), eager.params[k].detach())
+        assert float(rows.max()) <= max(1e-2, 3 * float(noise.max())), (k, float(rows.max()), float(noise.max()))
+        assert int((rows >= 1e-4).sum()) <= max(0.01 * len(rows), 3 * int((noise >= 1e-4).sum())), k
         q = eager.optimizers[k].param_groups[0]["params"][0]
         p = graphed.optimizers[k].param_groups[0]["params"][0]
         assert float(graphed.optimizers[k].state[p]["step"]) == float(eager.optimizers[k].state[q]["step"])
