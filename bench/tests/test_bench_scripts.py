@@ -253,7 +253,7 @@ def test_bench_train_forks_on_the_cpu(demo_scene, tmp_path, capsys):
     out = tmp_path / "bt"
     bench_train.main([str(demo_scene), "--steps", "6", "--fork-at", "3", "--seeds", "0", "--device", "cpu",
                       "--pipelines", "baseline,gstrain,gstrain", "--jobs", "2", "--out", str(out),
-                      "--extra", "--set log.eval_steps=[3,6] --set log.progress_every=1"])  # fmt: skip
+                      "--extra", "--set log.eval_steps=[0,3,6] --set log.progress_every=1"])  # fmt: skip
     trunk = json.loads((out / "trunks" / "seed0.json").read_text())
     assert trunk["status"] == "stopped" and trunk["steps"] == 3 and trunk["mode"] == "gstrain"
     finals = []

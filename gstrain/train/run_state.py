@@ -1,10 +1,12 @@
 """What a run carries between steps besides the model: the view order, the random generators'
-state, and the Ctrl-C / SIGTERM flag the training loops poll."""
+state, the Ctrl-C / SIGTERM flag the training loops poll, and what a step is due for or the
+ranks agreed on."""
 
 from __future__ import annotations
 
 import random
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -105,3 +107,29 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Agreement:
+    """What the loop knows at a sync step: the loss (summed over ranks), the Gaussian count, and
+    whether any rank asked to stop or went non-finite."""
+
+    loss: float
+    count: int
+    stop: bool
+    bad: bool
+
+
+@dataclass
+class _Due:
+    """What a step is due for."""
+
+    logging: bool
+    progress: bool
+    saving: bool
+    evaluating: bool
+    exporting: bool
+
+    @property
+    def any(self) -> bool:
+        return self.logging or self.progress or self.saving or self.evaluating or self.exporting

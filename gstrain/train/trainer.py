@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,39 +42,13 @@ from gstrain.train.optim import build_means_scheduler, build_optimizers
 from gstrain.train.pose_refine import attach_pose_refiner
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, seconds_since_process_start, write_run_record
-from gstrain.train.run_state import ViewSampler, _rng_state, _set_rng_state, _StopFlag, seed_everything
+from gstrain.train.run_state import Agreement, ViewSampler, _Due, _rng_state, _set_rng_state, _StopFlag, seed_everything
 from gstrain.train.step import StepRunner, StepView
 from gstrain.train.strategies import build_strategy, strategy_class
 from gstrain.train.strategies.default import DefaultStrategy  # noqa: F401 - gsplat loads with the trainer, not mid-start-up
 from gstrain.train.timing import PhaseTimer, timed_step
 
-__all__ = ["FitResult", "Trainer", "ViewSampler", "seed_everything"]
-
-
-@dataclass
-class Agreement:
-    """What the loop knows at a sync step: the loss (summed over ranks), the Gaussian count, and
-    whether any rank asked to stop or went non-finite."""
-
-    loss: float
-    count: int
-    stop: bool
-    bad: bool
-
-
-@dataclass
-class _Due:
-    """What a step is due for."""
-
-    logging: bool
-    progress: bool
-    saving: bool
-    evaluating: bool
-    exporting: bool
-
-    @property
-    def any(self) -> bool:
-        return self.logging or self.progress or self.saving or self.evaluating or self.exporting
+__all__ = ["Agreement", "FitResult", "Trainer", "ViewSampler", "seed_everything"]
 
 
 class Trainer(RunReporting):
