@@ -15,6 +15,7 @@ import pytest
 import torch
 from cli_util import assert_one_error, call_cli
 from gsplat.strategy.ops import duplicate
+from moments_util import moments_trainer
 
 from gstrain.config import OptimConfig, build_config
 from gstrain.data.colmap import load_scene
@@ -28,7 +29,6 @@ from gstrain.train.memory_budget import (
     per_gaussian_breakdown,
 )
 from gstrain.train.optim import build_optimizers
-from gstrain.train.trainer import Trainer
 
 B1, B2 = 0.9, 0.999
 
@@ -216,20 +216,7 @@ def scene(demo_scene):
     return load_scene(demo_scene)
 
 
-def _trainer(scene, run_dir, moments: str, steps: int = 24, strategy: dict | None = None,
-             model: dict | None = None, eval_steps: tuple[int, ...] = (), **train):  # fmt: skip
-    cfg = build_config(overrides=[{
-        "train": {"steps": steps, "seed": 7, "device": "cpu", **train}, "optim": {"moments": moments},
-        "model": {"sh_degree": 1, **(model or {})},
-        "strategy": {"refine_start": 6, "refine_every": 6, **(strategy or {})},
-        "log": {"progress_every": 1000, "ckpt_every": 0, "tb_every": 100_000,
-                "eval_steps": list(eval_steps), "save_steps": []},
-    }])  # fmt: skip
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-    trainer = Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lines.append)
-    trainer.lines = lines
-    return trainer
+_trainer = moments_trainer
 
 
 def _moments_ok(trainer) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from cli_util import assert_one_error, call_cli
 from gsplat.strategy.ops import duplicate, remove
+from moments_util import moments_trainer
 
 from gstrain.config import OptimConfig, build_config
 from gstrain.data.colmap import load_scene
@@ -23,7 +24,6 @@ from gstrain.train import int8_moments as im
 from gstrain.train import moment_modes
 from gstrain.train.memory_budget import budget_gate, per_gaussian_breakdown
 from gstrain.train.optim import build_optimizers
-from gstrain.train.trainer import Trainer
 
 B1, B2 = 0.9, 0.999
 BF16_MAX = 3.3895313892515355e38
@@ -332,18 +332,9 @@ def scene(demo_scene):
 
 def _trainer(scene, run_dir, moments: str, steps: int = 24, strategy: dict | None = None,
              eval_steps: tuple[int, ...] = (), **train):  # fmt: skip
-    cfg = build_config(overrides=[{
-        "train": {"steps": steps, "seed": 7, "device": "cpu", "sh_degree_interval": 4, **train},
-        "optim": {"moments": moments}, "model": {"sh_degree": 1},
-        "strategy": {"refine_start": 6, "refine_every": 6, **(strategy or {})},
-        "log": {"progress_every": 1000, "ckpt_every": 0, "tb_every": 100_000,
-                "eval_steps": list(eval_steps), "save_steps": []},
-    }])  # fmt: skip
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-    trainer = Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lines.append)
-    trainer.lines = lines
-    return trainer
+    """moments_trainer with the SH degree rising every 4 steps, so that shN trains early."""
+    return moments_trainer(scene, run_dir, moments, steps, strategy, eval_steps=eval_steps,
+                           **{"sh_degree_interval": 4, **train})
 
 
 def _layout_ok(trainer) -> None:
