@@ -302,29 +302,6 @@ def test_bad_values_are_one_line(demo_scene, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_fused_adam_sends_bf16_tensors_off_its_kernel_to_the_torch_op_step():
-    """A tensor FusedAdam cannot take (here: on the CPU) with bfloat16 moments takes
-    bf16_moments.adam_step, never torch's Adam (which cannot step bfloat16 state)."""
-    from gstrain.train.fused_adam import FusedAdam
-
-    fused = FusedAdam.__new__(FusedAdam)  # no extension: nothing here reaches the kernel
-    fused.ext = None
-    a, b = _random_model(6), _random_model(6)
-    opts_a = build_optimizers(a, OptimConfig(moments="bf16"), 1.0)
-    opts_b = build_optimizers(b, OptimConfig(moments="bf16"), 1.0)
-    for step in range(3):
-        gen = torch.Generator().manual_seed(step)
-        for k in a:
-            a[k].grad = torch.randn(a[k].shape, generator=gen)
-            b[k].grad = a[k].grad.clone()
-        fused.step(opts_a)
-        bm.adam_step(opts_b)
-    for k in a:
-        assert torch.equal(a[k], b[k]) and a[k].grad is None, k
-        for key in bm.MOMENT_KEYS:
-            assert torch.equal(opts_a[k].state[a[k]][key], opts_b[k].state[b[k]][key]), (k, key)
-
-
 def test_graph_scalars_hold_the_step_counts_after_the_pairs():
     """A graph step's device scalars: advance()'s pairs, then step_counts() (the counts the
     kernel's rounding hash reads in a replay), here after two counted steps."""

@@ -433,16 +433,18 @@ def test_sparse_adam_is_refused_in_one_line(demo_scene, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_fused_adam_sends_int8_tensors_off_its_kernel_to_the_torch_op_step():
-    """A tensor FusedAdam cannot take (here: on the CPU) with 8-bit moments takes
-    int8_moments.step_tensor, never torch's Adam."""
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_fused_adam_sends_narrow_moments_off_its_kernel_to_the_torch_op_step(mode):
+    """A tensor FusedAdam cannot take (here: on the CPU) with bf16 or 8-bit moments takes
+    moment_modes.adam_step (bf16_moments' and int8_moments' torch-op steps), never torch's Adam
+    (which cannot step such state)."""
     from gstrain.train.fused_adam import FusedAdam
 
     fused = FusedAdam.__new__(FusedAdam)  # no extension: nothing here reaches the kernel
     fused.ext = None
     a, b = _shn_model(40, 8), _shn_model(40, 8)
-    opts_a = build_optimizers(a, OptimConfig(moments="int8"), 1.0)
-    opts_b = build_optimizers(b, OptimConfig(moments="int8"), 1.0)
+    opts_a = build_optimizers(a, OptimConfig(moments=mode), 1.0)
+    opts_b = build_optimizers(b, OptimConfig(moments=mode), 1.0)
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
         for k in a:
@@ -454,3 +456,4 @@ def test_fused_adam_sends_int8_tensors_off_its_kernel_to_the_torch_op_step():
         assert torch.equal(a[k], b[k]) and a[k].grad is None, k
         sa, sb = opts_a[k].state[a[k]], opts_b[k].state[b[k]]
         assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa), k
+        assert sa["exp_avg"].dtype != torch.float32, k  # the narrow mode, not torch's Adam state
