@@ -24,7 +24,8 @@ demo: setup
 test: setup
 	# one torch thread: on 2 busy cores more threads made CPU training many times slower (README),
 	# and the bit-identical golden test needs one; subprocesses inherit it. Two workers, one per
-	# core, a test file each at a time (its tests never overlap): 8.1 against 9.6-12.5 min in one
+	# core, a test file each at a time (its tests never overlap); files holding a slow-marked test
+	# start first (conftest.py), so the long ones run side by side
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: setup
