@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gstrain.choices import MOMENTS
+from gstrain.train.adam_state import host_step
 
 MASK32 = 0xFFFFFFFF
 # lowbias32-style mixer (xorshift-multiply rounds). Both multipliers are odd and below 2**31, so a
@@ -113,18 +114,6 @@ def update_moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) 
 
 def _name_of(opt: torch.optim.Optimizer) -> str:
     return str(opt.param_groups[0].get("name", ""))
-
-
-def host_step(state: dict) -> Tensor:
-    """The state's step as a CPU tensor (a checkpoint of torch's fused Adam has it on the GPU), so
-    that counting it and reading it never syncs with the device."""
-    step = state["step"]
-    if not torch.is_tensor(step):
-        step = torch.tensor(float(step), dtype=torch.float32)
-    elif step.device.type != "cpu":
-        step = step.detach().to("cpu", torch.float32)  # once, after a resume
-    state["step"] = step
-    return step
 
 
 def adam_step(optimizers: dict[str, torch.optim.Optimizer]) -> None:

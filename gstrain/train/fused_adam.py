@@ -39,7 +39,7 @@ from torch import Tensor
 
 from gstrain import extensions
 from gstrain.train import bf16_moments, int8_moments
-from gstrain.train.bf16_moments import host_step
+from gstrain.train.adam_state import host_step
 
 _UNSUPPORTED_OPTIONS = (("weight_decay", 0), ("amsgrad", False), ("maximize", False))
 

@@ -57,12 +57,12 @@ import math
 import torch
 from torch import Tensor
 
+from gstrain.train.adam_state import host_step
 from gstrain.train.bf16_moments import (
     BF16_MAX_BITS,
     BF16_NAN_BITS,
     MASK32,
     MOMENT_KEYS,
-    host_step,
     moment_salt,
     rounding_noise,
     step_seed,
