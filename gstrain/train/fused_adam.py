@@ -22,12 +22,12 @@ optim.moments=bf16 (train/bf16_moments.py): a tensor whose moments are bfloat16 
 float32 and its moments stored with the same stochastic rounding as bf16_moments.adam_step, whose
 hash needs the Adam step count: the host passes it, and a graph step reads it from `scalars` after
 the pairs (graph_scalars(): pairs, then one count per tensor). Tensors off the fused path take
-bf16_moments.adam_step, as float32 ones take torch's.
+moment_modes.adam_step, as float32 ones take torch's.
 
 optim.moments=int8 (train/int8_moments.py): a tensor with 8-bit codes is passed with its two row
 scales, and the extension updates it in a kernel of its own (a warp per row: the row's new largest
 magnitudes set its scales before any code is stored), reading the same device scalars; the same
-codes as int8_moments.step_tensor, which takes such tensors off the fused path.
+codes as int8_moments.step_tensor (moment_modes.adam_step), which steps such tensors off the fused path.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gstrain import extensions
-from gstrain.train import bf16_moments, int8_moments
+from gstrain.train import bf16_moments, int8_moments, moment_modes
 from gstrain.train.adam_state import host_step
 
 _UNSUPPORTED_OPTIONS = (("weight_decay", 0), ("amsgrad", False), ("maximize", False))
@@ -93,11 +93,8 @@ class FusedAdam:
                 raise ValueError(f"{group.get('name', '?')}: a graph step needs every tensor on the fused path")
             bf16 = p in opt.state and opt.state[p].get("exp_avg", p).dtype == torch.bfloat16
             codes = p in opt.state and int8_moments.has_codes(opt.state[p])
-            if not eligible and codes:
-                int8_moments.step_tensor(opt)  # torch's Adam cannot step 8-bit moments
-                continue
-            if not eligible and bf16:
-                bf16_moments.adam_step({"": opt})  # torch's Adam cannot step bfloat16 moments
+            if not eligible and (codes or bf16):
+                moment_modes.adam_step({"": opt})  # torch's Adam cannot step bfloat16 or 8-bit moments
                 continue
             if not eligible:
                 # anything unusual takes torch's own path; its fused kernel wants `step` on the
