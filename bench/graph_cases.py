@@ -20,14 +20,14 @@ from gstrain.train.trainer import Trainer
 
 def graph_trainer(scene: Scene, root: Path, name: str, graphs: bool, mode: str = "warp",
                   refine_start: int = 4, batch_size: int = 1, train: dict[str, Any] | None = None,
-                  optim: dict[str, Any] | None = None) -> Trainer:  # fmt: skip
+                  optim: dict[str, Any] | None = None, dev: dict[str, Any] | None = None) -> Trainer:  # fmt: skip
     """A CUDA trainer in root/name, with or without graph steps, on `batch_size` views a step,
     refining every 10 steps from `refine_start` and resetting opacities every 15, its step timing
-    left off; `train`, `optim`: more keys of those sections (train.appearance, optim.moments)."""
+    left off; `train`, `optim`, `dev`: more keys of those sections (train.appearance, optim.moments)."""
     cfg = build_config(overrides=[{
         "train": {"steps": 500, "device": "cuda", "batch_size": batch_size, **(train or {})},
         "optim": dict(optim or {}),
-        "dev": {"cuda_graphs": graphs},
+        "dev": {"cuda_graphs": graphs, **(dev or {})},
         "render": {"atomic_mode": mode},
         "strategy": {"refine_start": refine_start, "refine_every": 10, "reset_every": 15},
     }])  # fmt: skip

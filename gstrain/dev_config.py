@@ -34,6 +34,9 @@ class DevConfig:
     # replay training steps (one view, or train.batch_size views) as CUDA graphs (our CUDA kernels
     # with ellipse_cull and fused Adam): far less host time a step (gstrain/train/graph_step.py)
     cuda_graphs: bool = True
+    # shN's Adam step inside the backward, slice by slice, so its gradient (180 bytes a Gaussian)
+    # is never whole at the step's memory peak (gstrain/train/backward_adam.py): the same update
+    adam_in_backward: bool = True
     # --- the rest
     atomic_threshold: int = 8  # render.atomic_mode=distwar's lane threshold T, 1..32 (arc tunes its own)
     # time the phases of every Nth step from step N // 2 on (not the first step, which pays one-time

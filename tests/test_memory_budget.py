@@ -172,3 +172,18 @@ def test_measured_numbers_on_cuda() -> None:
     cfg = build_config(overrides=[{"train": {"max_memory_gib": 0.5}}])
     assert budget_free(cfg, device) == min(torch.cuda.mem_get_info(device)[0], 2**29)
     assert budget_free(build_config(), device) is None and budget_free(cfg, torch.device("cpu")) is None
+
+
+def test_shn_stepped_in_the_backward_leaves_its_gradient_out_of_the_peak() -> None:
+    from gstrain.config import build_config
+    from gstrain.train.memory_budget import per_gaussian_breakdown, shn_stepped_in_backward
+
+    plain = per_gaussian_breakdown(3)
+    inside = per_gaussian_breakdown(3, shn_in_backward=True)
+    assert plain["gradients"] == 59 * 4 and inside["gradients"] == 14 * 4  # 45 shN floats of 59 at degree 3
+    assert {k: v for k, v in plain.items() if k != "gradients"} == {k: v for k, v in inside.items() if k != "gradients"}
+    cfg = build_config()
+    assert shn_stepped_in_backward(cfg, gpu=True) and not shn_stepped_in_backward(cfg, gpu=False)
+    for override in ({"dev": {"adam_in_backward": False}}, {"dev": {"fused_sh": False}}, {"train": {"batch_size": 2}},
+                     {"dev": {"fused_adam": False}}, {"render": {"backend": "gsplat"}}):
+        assert not shn_stepped_in_backward(build_config(overrides=[override]), gpu=True), override

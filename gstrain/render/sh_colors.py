@@ -24,29 +24,61 @@ MAX_REST = 128
 class _ShColors(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor,
-                degree: int) -> Tensor:  # fmt: skip
+                degree: int, shn_step: Any) -> Tensor:  # fmt: skip
         (colors,) = extensions.raster().sh_colors_fwd(means, sh0, shN, viewmat, radii, degree)
         ctx.save_for_backward(means, sh0, shN, viewmat, radii)
         ctx.degree = degree
+        ctx.shn_step = shn_step
         return colors
 
     @staticmethod
     def backward(ctx: Any, v_colors: Tensor) -> tuple[Tensor | None, ...]:
         means, sh0, shN, viewmat, radii = ctx.saved_tensors
-        v_means, v_sh0, v_shN = extensions.raster().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
-                                                                  v_colors.contiguous())  # fmt: skip
+        v_colors = v_colors.contiguous()
         needs = ctx.needs_input_grad
+        if ctx.shn_step is not None:
+            v_means, v_sh0 = _backward_stepping_shn(ctx, means, sh0, shN, viewmat, radii, v_colors)
+            return (v_means if needs[0] else None, v_sh0 if needs[1] else None, None, None, None, None, None)
+        v_means, v_sh0, v_shN = extensions.raster().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
+                                                                  v_colors)  # fmt: skip
         return (v_means if needs[0] else None, v_sh0 if needs[1] else None, v_shN if needs[2] else None,
-                None, None, None)  # fmt: skip
+                None, None, None, None)  # fmt: skip
+
+
+def _backward_stepping_shn(ctx: Any, means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor,
+                           v_colors: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The backward in slices of Gaussians (each Gaussian's gradients are its own), each slice's
+    shN gradient stepped by dev.adam_in_backward (train/backward_adam.py) before the next slice
+    is computed: shN's rows are read before they are stepped, and its whole gradient never exists."""
+    n = means.shape[0]
+    step = min(n, ctx.shn_step.slice_rows(n)) if n else 0
+    if step == n:
+        v_means, v_sh0, v_shN = extensions.raster().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
+                                                                  v_colors)  # fmt: skip
+        ctx.shn_step.rows(0, v_shN, radii)
+        return v_means, v_sh0
+    v_means, v_sh0 = torch.empty_like(means), torch.empty_like(sh0)
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        part = slice(start, end)
+        m, s0, sN = extensions.raster().sh_colors_bwd(means[part], sh0[part], shN[part], viewmat, radii[:, part],
+                                                      ctx.degree, v_colors[:, part])  # fmt: skip
+        v_means[part], v_sh0[part] = m, s0
+        del m, s0
+        ctx.shn_step.rows(start, sN, radii[:, part])
+        del sN
+    return v_means, v_sh0
 
 
 def sh_colors(means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor, degree: int) -> Tensor:
     """Colours [1, N, 3] of N Gaussians seen through the world-to-camera viewmat [4, 4]: for those
     with both radii [1, N, 2] > 0, max(SH_degree(normalize(mean - camera centre)) + 0.5, 0) with
     sh0 [N, 1, 3] and shN [N, K, 3] as gsplat's coefficients 0 and 1..K; 0.5 for the others (whose
-    colour no pixel reads). Gradients flow to means, sh0 and shN (K at most MAX_REST)."""
+    colour no pixel reads). Gradients flow to means, sh0 and shN (K at most MAX_REST); a shN that
+    train/backward_adam.py marked is stepped in the backward instead, slice by slice."""
     if shN.shape[1] > MAX_REST:
         raise ValueError(f"the fused SH colours take at most {MAX_REST} shN coefficients per Gaussian, "
                          f"got {shN.shape[1]}")  # fmt: skip
+    shn_step = getattr(shN, "shn_in_backward", None)
     return _ShColors.apply(means.float().contiguous(), sh0.float().contiguous(), shN.float().contiguous(),
-                           viewmat.float().contiguous(), radii.int().contiguous(), int(degree))  # fmt: skip
+                           viewmat.float().contiguous(), radii.int().contiguous(), int(degree), shn_step)  # fmt: skip

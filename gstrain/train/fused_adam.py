@@ -33,6 +33,7 @@ codes as int8_moments.step_tensor (moment_modes.adam_step), which steps such ten
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -64,11 +65,18 @@ class FusedAdam:
         self.ext = extensions.step_ops()
 
     def step(self, optimizers: dict[str, torch.optim.Optimizer], visible: Tensor | None = None,
-             scalars: Tensor | None = None, skip: Tensor | None = None) -> None:  # fmt: skip
+             scalars: Tensor | None = None, skip: Tensor | None = None,
+             stepped: Collection[str] = ()) -> None:  # fmt: skip
         """One Adam step of every optimizer whose parameter has a gradient; then grads are set to None.
 
         With `scalars` (a graph step) the step counts are not advanced here: advance() does it on
-        the host before each replay and fills `scalars`, in graph_order()'s order."""
+        the host before each replay and fills `scalars`, in graph_order()'s order. `stepped`: the
+        optimizers (by key) already stepped in this step's backward (train/backward_adam.py)."""
+        if stepped:
+            kept = [i for i, key in enumerate(optimizers) if key not in stepped]
+            if scalars is not None:
+                scalars = scalars_of(scalars, kept, len(optimizers))
+            optimizers = {key: opt for key, opt in optimizers.items() if key not in stepped}
         params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2 = [], [], [], [], [], []
         scales: list[Tensor] = []  # per tensor: its two row scales (int8 moments), else its moments (unread)
         steps: list[float] = []  # the step counts (bfloat16 moments' rounding hash)
@@ -129,7 +137,67 @@ class FusedAdam:
         if params:
             self.ext.adam_step(params, grads, exp_avgs, exp_avg_sqs, step_sizes, inv_bc2,
                                float(beta1), float(beta2), float(eps), visible, scalars, skip,
-                               steps, salts, scales)  # fmt: skip
+                               steps, salts, scales, [0] * len(params))  # fmt: skip
+
+    def rows_step(self, opt: torch.optim.Optimizer, scalars: Tensor | None = None, skip: Tensor | None = None,
+                  position: int = 0, count: int = 1) -> RowsStep:  # fmt: skip
+        """One Adam step of `opt`'s tensor whose gradient comes in slices of rows (RowsStep.rows):
+        counted here for an eager step; a graph step reads its scalars at `position` of `count`
+        tensors in graph_scalars' layout."""
+        group = opt.param_groups[0]
+        p = group["params"][0]
+        if not (_supported(opt) and p.is_cuda and p.dtype == torch.float32 and p.is_contiguous() and p.dim() >= 1):
+            raise ValueError(f"{group.get('name', '?')} cannot be stepped in slices of rows")
+        state = opt.state[p]
+        if len(state) == 0:
+            bf16_moments.init_state(state, p, torch.float32)
+        beta1, beta2 = group["betas"]
+        if scalars is None:
+            step_t = host_step(state)
+            step_t += 1
+            step = float(step_t)
+            pair = (group["lr"] / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step))
+        else:
+            step, pair = 1.0, (0.0, 0.0)  # read from the device scalars
+            scalars = scalars_of(scalars, [position], count)
+        return RowsStep(self.ext, opt, state, pair, step, scalars, skip)
+
+
+class RowsStep:
+    """One Adam step of a tensor, applied to row slices as their gradients arrive: the update, the
+    scalars and the rounding hash (offset by the slice's first element) of a whole-tensor step."""
+
+    def __init__(self, ext, opt: torch.optim.Optimizer, state: dict, pair: tuple[float, float], step: float,
+                 scalars: Tensor | None, skip: Tensor | None) -> None:  # fmt: skip
+        self.ext, self.state, self.pair, self.step = ext, state, pair, step
+        self.scalars, self.skip = scalars, skip
+        group = opt.param_groups[0]
+        self.param = group["params"][0].detach()
+        self.betas, self.eps = group["betas"], group["eps"]
+        self.codes = int8_moments.has_codes(state)
+        name = str(group.get("name", ""))
+        self.salts = [bf16_moments.moment_salt(name, key) for key in bf16_moments.MOMENT_KEYS]
+
+    def rows(self, start: int, grad: Tensor, visible: Tensor | None = None) -> None:
+        """Step rows [start, start + len(grad)) with their gradient `grad`; visible: those rows'
+        mask (optim.sparse_adam), or None."""
+        end = start + grad.shape[0]
+        state = self.state
+        keys = int8_moments.SCALE_KEYS.values() if self.codes else bf16_moments.MOMENT_KEYS
+        width = self.param[0].numel() if len(self.param) else 0
+        self.ext.adam_step([self.param[start:end]], [grad.contiguous()], [state["exp_avg"][start:end]],
+                           [state["exp_avg_sq"][start:end]], [self.pair[0]], [self.pair[1]],
+                           float(self.betas[0]), float(self.betas[1]), float(self.eps), visible, self.scalars,
+                           self.skip, [self.step], self.salts, [state[key][start:end] for key in keys],
+                           [start * width])  # fmt: skip
+
+
+def scalars_of(scalars: Tensor, positions: list[int], count: int) -> Tensor:
+    """The device scalars of the tensors at `positions` of `count` (graph_scalars' layout: the
+    pairs, then the counts), in that layout for them alone: device slices, no host copy."""
+    pairs = [scalars[2 * i : 2 * i + 2] for i in positions]
+    counts = [scalars[2 * count + i : 2 * count + i + 1] for i in positions]
+    return torch.cat(pairs + counts)
 
 
 def graph_order(optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:

@@ -83,6 +83,7 @@ def per_gaussian_breakdown(
     pairs_per_gaussian: float = PAIRS_PER_GAUSSIAN,
     graph_pair_margin: float = 0.0,
     moments: str = "fp32",
+    shn_in_backward: bool = False,
 ) -> dict[str, int]:
     """GPU bytes one Gaussian costs at the peak of a step, by what holds them: each parameter
     tensor, the gradients, Adam's moments (in optim.moments' layout `moments`), the strategy's
@@ -93,12 +94,15 @@ def per_gaussian_breakdown(
     holds one step's gradients and buffers, with pair buffers of that margin times the pairs, and
     such an eager step allocates its own beside it: at that step they are held twice. (Before
     refinements, timed steps and ARC rounds the engine drops its graphs, so their pool can serve
-    the eager step.)"""
+    the eager step.) shn_in_backward: shN is stepped in the backward slice by slice
+    (train/backward_adam.py), so its gradient is not among the peak's."""
     if strategy not in STRATEGY_FLOATS:
         raise ValueError(f"no per-Gaussian state known for strategy {strategy!r}")
     layout = {**PARAM_FLOATS_BASE, "shN": shn_floats(sh_degree)}
     rows = {f"parameter {name}": floats * FLOAT for name, floats in layout.items()}
     params = param_floats(sh_degree) * FLOAT
+    if shn_in_backward:
+        params -= shn_floats(sh_degree) * FLOAT
     rows["gradients"] = params
     rows["Adam moments"] = moment_bytes_per_gaussian(moments, layout)
     rows["strategy statistics"] = STRATEGY_FLOATS[strategy] * FLOAT
@@ -168,15 +172,26 @@ def plan_budget(
     return MemoryBudget(max_memory_gib, per_gaussian, fixed, (usable - fixed) // per_gaussian, usable)
 
 
+def shn_stepped_in_backward(cfg: Any, gpu: bool) -> bool:
+    """Whether a run's steps step shN in the backward slice by slice (train/step.py
+    steps_shn_in_backward): on a GPU, dev.adam_in_backward with fused Adam and fused SH colours,
+    one view a step (the CPU path steps the whole gradient, which the peak then holds)."""
+    dev = cfg.dev
+    return bool(gpu and dev.adam_in_backward and dev.fused_adam and dev.fused_sh and cfg.train.batch_size == 1
+                and not cfg.train.pose_refine and cfg.render.backend in ("auto", "cuda"))
+
+
 def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int, ...]],
-                log: Callable[[str], None] = print, graph_pair_margin: float = 0.0) -> GrowthGate:
+                log: Callable[[str], None] = print, graph_pair_margin: float = 0.0, gpu: bool = False) -> GrowthGate:
     """The run's GrowthGate for train.max_memory_gib (a gate that allows everything at 0).
     device_image_bytes: the training images kept on the device (data.images_on=gpu);
-    graph_pair_margin: per_gaussian_breakdown's (> 0 when the CUDA-graph engine runs the steps)."""
+    graph_pair_margin: per_gaussian_breakdown's (> 0 when the CUDA-graph engine runs the steps);
+    gpu: the run trains on a GPU."""
     if cfg.train.max_memory_gib <= 0:
         return GrowthGate(None, log)
     per = bytes_per_gaussian(cfg.model.sh_degree, strategy=cfg.strategy.name, absgrad=cfg.strategy.absgrad,
-                             graph_pair_margin=graph_pair_margin, moments=cfg.optim.moments)
+                             graph_pair_margin=graph_pair_margin, moments=cfg.optim.moments,
+                             shn_in_backward=shn_stepped_in_backward(cfg, gpu))
     largest = max((s[0] * s[1] for s in image_shapes), default=0)
     return GrowthGate(plan_budget(cfg.train.max_memory_gib, per, device_image_bytes, largest,
                                   cfg.train.batch_size), log)

@@ -27,6 +27,7 @@ from gstrain.render import Renderer
 from gstrain.render.common import sum_pairs
 from gstrain.render.isect import PairBudget
 from gstrain.train import moment_modes
+from gstrain.train.backward_adam import KEY, ShnInBackward
 from gstrain.train.corrections import ViewCorrection, corrected_camera, corrected_image
 from gstrain.train.fused_ssim import training_loss_for
 from gstrain.train.masking import ViewMask, masked_loss
@@ -119,6 +120,7 @@ class StepRunner:
         self.graph_adam: tuple[Tensor, Tensor] | None = None
         # learned per training view, applied to its camera and render (train/corrections.py)
         self.corrections: list[ViewCorrection] = []
+        self.shn_in_backward = ShnInBackward(self.fused_adam, self.moments) if cfg.dev.adam_in_backward else None
 
     def run(
         self,
@@ -135,13 +137,17 @@ class StepRunner:
         B views as gsplat's n_cameras=B. One view takes its loss and info as they are."""
         timer = self.timer
         infos, images, losses, terms_sum = [], [], [], {}
+        render_params: Any = params  # the strategy and the optimizers keep `params` itself
+        if self.steps_shn_in_backward(params, len(views)):
+            assert self.shn_in_backward is not None
+            render_params = self.shn_in_backward.wrap(params, optimizers, self.graph_adam, self.sparse_adam)
         for v in views:
             height, width = v.gt.shape[:2]
             with timer.phase("forward"):
                 viewmat = corrected_camera(self.corrections, v.viewmat, v, step)
                 options = None if v.budget is None else replace(self.renderer.options, pair_budget=v.budget,
                                                                 valid_size=v.valid)  # fmt: skip
-                image, _, info = self.renderer(params, viewmat, v.K, width, height, sh_degree, background,
+                image, _, info = self.renderer(render_params, viewmat, v.K, width, height, sh_degree, background,
                                                timer=timer, options=options)  # fmt: skip
             self.strategy.step_pre_backward(params, optimizers, step, info)
             with timer.phase("loss"):
@@ -163,6 +169,15 @@ class StepRunner:
         return StepResult(loss.detach(), terms_mean, images[0].detach(), changed, sum_pairs(view_pairs),
                           target=views[0].gt, view_pairs=kept)  # fmt: skip
 
+    def steps_shn_in_backward(self, params: Any, n_views: int) -> bool:
+        """Whether this step's backward steps shN (dev.adam_in_backward, train/backward_adam.py):
+        one view, and either our fused SH colours with fused Adam (slices) or autograd SH colours
+        with the plain optimizer step (the whole gradient)."""
+        if self.shn_in_backward is None or n_views != 1 or KEY not in params:
+            return False
+        fused_sh = self.renderer.backend == "cuda" and self.renderer.options.fused_sh
+        return fused_sh == (self.fused_adam is not None)
+
     def view_loss(self, image: Tensor, view: StepView, background: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """One view's photometric loss and its terms: on a canvas the fused loss over the valid
         part; else the view's mask (None: every pixel) under data.mask_mode (train/masking.py).
@@ -182,9 +197,14 @@ class StepRunner:
         timer = self.timer
         with timer.phase("backward"):
             loss.backward()
+        stepped: tuple[str, ...] = ()
+        if self.shn_in_backward is not None and self.shn_in_backward.take_done():
+            stepped = (KEY,)
+            if params[KEY].grad is not None:
+                raise RuntimeError(f"{KEY} was stepped in the backward but has another gradient")
         info = info_fn()
         with timer.phase("optimizer"):
-            self.optimizer_step(optimizers, info)
+            self.optimizer_step(optimizers, info, stepped)
             if scheduler is not None:
                 scheduler.step()
             for correction in self.corrections:
@@ -199,7 +219,11 @@ class StepRunner:
         timer.step_done()
         return changed
 
-    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], info: dict[str, Any]) -> None:
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], info: dict[str, Any],
+                       stepped: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """Adam on every tensor but those `stepped` in the backward."""
+        if self.fused_adam is None and stepped:
+            optimizers = {key: opt for key, opt in optimizers.items() if key not in stepped}
         if self.fused_adam is None and self.moments != "fp32":
             moment_modes.adam_step(optimizers)
             return
@@ -211,4 +235,4 @@ class StepRunner:
         # drawn by any of the step's views (radii [B,N,2])
         visible = (info["radii"] > 0).all(dim=-1).any(0) if self.sparse_adam else None
         scalars, skip = self.graph_adam if self.graph_adam is not None else (None, None)
-        self.fused_adam.step(optimizers, visible, scalars=scalars, skip=skip)
+        self.fused_adam.step(optimizers, visible, scalars=scalars, skip=skip, stepped=stepped)

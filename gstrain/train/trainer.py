@@ -88,7 +88,7 @@ class Trainer(RunReporting):
         optimizers = build_optimizers(params, cfg.optim, scene.extent)
         on_device = sum(math.prod(s) for s in views.shapes()) if self.image_store.where == "gpu" else 0
         pool = held_pool_margin(cfg, self.renderer, device, views.masks)  # graphs' pool beside eager steps
-        self.gate = budget_gate(cfg, on_device, views.shapes(), log, pool)  # train.max_memory_gib
+        self.gate = budget_gate(cfg, on_device, views.shapes(), log, pool, gpu=device.type == "cuda")  # max_memory_gib
         self.gate.check_start(len(params["means"]))
         strategy_cfg = cfg.strategy
         if strategy_class(cfg.strategy.name).capped:  # its own cap, lowered to what fits (said once)

@@ -47,7 +47,8 @@ void check_cuda(cudaError_t err, const char *what) {
 // graph step (`scalars`) the step counts are read from scalars[2n + i] instead of `steps`.
 // A tensor with 8-bit moments (exp_avg int8, exp_avg_sq uint8: optim.moments=int8) has its two
 // bfloat16 row scales at scales[2i], scales[2i+1] and a launch of its own (launch_adam_rows8);
-// the other tensors' entries in `scales` are not read.
+// the other tensors' entries in `scales` are not read. hash_offsets[i] is added to tensor i's
+// element indices in the rounding hash (0 for a whole tensor; a slice's first element in it).
 void adam_step(
     const std::vector<at::Tensor> &params,
     const std::vector<at::Tensor> &grads,
@@ -63,12 +64,14 @@ void adam_step(
     const std::optional<at::Tensor> &skip,
     const std::vector<double> &steps,
     const std::vector<int64_t> &salts,
-    const std::vector<at::Tensor> &scales
+    const std::vector<at::Tensor> &scales,
+    const std::vector<int64_t> &hash_offsets
 ) {
     const size_t n = params.size();
     TORCH_CHECK(
         grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && step_sizes.size() == n &&
-            inv_sqrt_bc2.size() == n && steps.size() == n && salts.size() == 2 * n && scales.size() == 2 * n,
+            inv_sqrt_bc2.size() == n && steps.size() == n && salts.size() == 2 * n && scales.size() == 2 * n &&
+            hash_offsets.size() == n,
         "adam_step: the lists must have the same length (two salts and two scales per tensor)"
     );
     if (n == 0) return;
@@ -159,6 +162,7 @@ void adam_step(
             t.scalars = scalars_ptr != nullptr ? scalars_ptr + 2 * i : nullptr;
             t.step_count = counts_ptr != nullptr ? counts_ptr + i : nullptr;
             t.skip = skip_ptr;
+            t.hash_offset = hash_offsets[i];
             check_cuda(launch_adam_rows8(t, stream), "fused Adam (8-bit moments)");
             continue;
         }
@@ -197,6 +201,7 @@ void adam_step(
         t.inv_sqrt_bc2 = (float)inv_sqrt_bc2[i];
         t.vec4 = !bf16 && aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
         t.index = (int)i;
+        t.hash_offset = hash_offsets[i];
         batch.first_block[count + 1] = batch.first_block[count] + (numel + per_block - 1) / per_block;
         batch.count = count + 1;
         if (batch.count == kMaxAdamTensors) flush();

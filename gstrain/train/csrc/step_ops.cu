@@ -61,8 +61,8 @@ __device__ __forceinline__ void adam_update_bf16(const AdamTensor &t, const int6
     const float v = __fadd_rn(__fmul_rn(v0, batch.beta2), __fmul_rn(__fmul_rn(g, g), c2));
     const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_sqrt_bc2), batch.eps);
     t.param[e] -= step_size * __fdiv_rn(m, denom);
-    t.exp_avg_bf16[e] = round_bf16(m, seed_avg, e);
-    t.exp_avg_sq_bf16[e] = round_bf16(v, seed_avg_sq, e);
+    t.exp_avg_bf16[e] = round_bf16(m, seed_avg, e + t.hash_offset);
+    t.exp_avg_sq_bf16[e] = round_bf16(v, seed_avg_sq, e + t.hash_offset);
 }
 
 // A thread updates four consecutive elements: with 16-byte aligned tensors (AdamTensor::vec4) as
@@ -211,8 +211,8 @@ __global__ void adam_rows8_kernel(const AdamRows8 t) {
         const float r = __fsqrt_rn(v);
         const float denom = nan_max(__fadd_rn(__fmul_rn(r, inv_sqrt_bc2), t.eps), fabsf(m)); // torch.maximum
         t.param[e] -= step_size * __fdiv_rn(m, denom);
-        t.exp_avg[e] = (int8_t)code_of(m, sm1, 127.0f, false, seed_avg, e);
-        t.exp_avg_sq[e] = (uint8_t)code_of(r, sr1, 255.0f, true, seed_avg_sq, e);
+        t.exp_avg[e] = (int8_t)code_of(m, sm1, 127.0f, false, seed_avg, e + t.hash_offset);
+        t.exp_avg_sq[e] = (uint8_t)code_of(r, sr1, 255.0f, true, seed_avg_sq, e + t.hash_offset);
     }
     __syncwarp();
     if (lane == 0) {

@@ -31,6 +31,9 @@ struct AdamTensor {
     float inv_sqrt_bc2; // 1 / sqrt(1 - beta2^step)
     bool vec4;          // all four arrays 16-byte aligned: the kernel moves float4s
     int index;          // the tensor's place in the whole list: its pair and count in the device scalars
+    // added to the element index in the rounding hash: a slice of rows [a, b) of a tensor passes
+    // a * row, so that stepping a tensor slice by slice stores the codes of one whole step
+    int64_t hash_offset;
 };
 
 struct AdamBatch {
@@ -79,6 +82,7 @@ struct AdamRows8 {
     const float *scalars;     // nullptr, or this tensor's (step_size, inv_sqrt_bc2) on the device (graph steps)
     const float *step_count;  // nullptr, or this tensor's step count on the device (graph steps)
     const int *skip;          // nullptr: never skip
+    int64_t hash_offset;      // added to the element index in the rounding hash (AdamTensor's)
 };
 
 cudaError_t launch_adam_rows8(const AdamRows8 &t, cudaStream_t stream);
