@@ -68,7 +68,8 @@ def test_row_slices_store_what_the_whole_tensor_step_stores(moments, graph):
             whole[k].grad, sliced[k].grad = grads[k].clone(), grads[k].clone()
         fused.step(w_opts, visible)
         sliced["shN"].grad = None
-        if graph:  # the device scalars a graph step reads, filled as the engine fills them
+        if graph and step > 0:  # the device scalars a graph step reads, filled as the engine fills them
+            # (after an eager first step, as the engine's: torch makes float32 state at the first)
             scalars[:-1] = torch.tensor(fused_adam.advance(s_opts) + fused_adam.step_counts(s_opts))
             rows = fused.rows_step(s_opts["shN"], scalars, skip, list(s_opts).index("shN"), count)
             fused.step(s_opts, visible, scalars=scalars, skip=skip, stepped=("shN",))
