@@ -170,7 +170,9 @@ class PoseRefiner:
         device = self.delta.device
         on_host = sorted({r for r in rendered if isinstance(r, int)})
         on_device = [r for r in rendered if isinstance(r, Tensor)]
-        rows = torch.cat([*on_device, torch.tensor(on_host, dtype=torch.int64, device=device)])
+        if on_host:  # (never inside a capture: a host-to-device copy cannot be captured)
+            on_device.append(torch.tensor(on_host, dtype=torch.int64, device=device))
+        rows = torch.cat(on_device)
         # a captured step reads the rate the host set before its replay; an eager one its own
         rate = self.rate_feed.value if self._skip is not None else torch.tensor(self.rate(step), dtype=torch.float32)
         row_adam_step(self.delta, grad, self.exp_avg, self.exp_avg_sq, self.updates, rows, rate, self.gauge,
