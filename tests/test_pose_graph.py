@@ -355,3 +355,30 @@ def test_the_fused_sh_colours_give_viewmat_its_gradient_through_the_camera_centr
     # without a camera gradient wanted, the Function gets no centre (the kernel's path as before)
     plain = sh_module.sh_colors(means, sh0, shN, viewmat, radii, degree)
     assert not plain.requires_grad
+
+
+@pytest.mark.parametrize("then", ["eager", "captured"])
+def test_a_checkpoint_of_captured_steps_resumes_exactly_on_either_path(demo_scene, tmp_path, then):
+    """Eight steps on the captured step's path, a checkpoint, eight more on either path: the
+    uninterrupted eager run's poses and scene, bit for bit (pose_refine_start inside the first half)."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    whole = _cpu_trainer(demo_scene, tmp_path / "whole")
+    for step in range(16):
+        whole.train_step(step)
+    first = _cpu_trainer(demo_scene, tmp_path / "first")
+    for step in range(8):
+        _captured_step(first, step, flag)
+    first.step = 8
+    saved = copy.deepcopy(first.state_dict())
+    second = _cpu_trainer(demo_scene, tmp_path / "second")
+    second.load_state_dict(saved)
+    for step in range(8, 16):
+        if then == "eager":
+            second.train_step(step)
+        else:
+            _captured_step(second, step, flag)
+    assert float(whole.pose_refiner.delta.detach().abs().max()) > 1e-4
+    for x, y in zip(_state(whole.pose_refiner), _state(second.pose_refiner), strict=True):
+        assert torch.equal(x, y)
+    for key in whole.params:
+        assert torch.equal(whole.params[key], second.params[key]), key
