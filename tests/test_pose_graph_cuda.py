@@ -143,7 +143,7 @@ def _same_poses(graphed, eager, again) -> None:
     run differs by; the same Adam step count for every view (none lost or doubled)."""
     a, b, c = graphed.pose_refiner, eager.pose_refiner, again.pose_refiner
     moved = float(b.delta.detach().abs().max())
-    assert moved > 10 * DELTA_TOL, moved
+    assert moved > 5 * DELTA_TOL, moved  # (a row's first Adam step is the rate, 10x DELTA_TOL, less the gauge's)
     diff = float((a.delta.detach() - b.delta.detach()).abs().max())
     noise = float((c.delta.detach() - b.delta.detach()).abs().max())
     assert diff < max(DELTA_TOL, 3 * noise), (diff, noise)

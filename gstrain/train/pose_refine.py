@@ -254,8 +254,8 @@ def refined_views(views: Sequence[View], state: dict[str, Any] | None) -> list[V
     return [v.with_pose((fix @ v.viewmat.float().cpu()).contiguous()) for v, fix in zip(views, fixes, strict=True)]
 
 
-def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, renderer: Any, runner: Any,
-                        device: torch.device, log: Any = print) -> PoseRefiner | None:  # fmt: skip
+def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, runner: Any,
+                        device: torch.device) -> PoseRefiner | None:  # fmt: skip
     """With train.pose_refine: a PoseRefiner on the step's corrections (None without). Every
     renderer path gives it viewmat gradients (the fused SH colours and the canvas projection
     through render/camera_grad.py), so the run keeps its renderer and its CUDA graphs."""
