@@ -382,3 +382,60 @@ def test_a_checkpoint_of_captured_steps_resumes_exactly_on_either_path(demo_scen
         assert torch.equal(x, y)
     for key in whole.params:
         assert torch.equal(whole.params[key], second.params[key]), key
+
+
+class _TorchProjectionKernel:
+    """The canvas projection's two entry points in float64 torch (render/projection.py), for the
+    CPU: what the autograd Function around them does is under test, not the kernel."""
+
+    @staticmethod
+    def _project(means, quats, scales, viewmat, K, size):
+        from gstrain.render.projection import project_gaussians
+
+        width, height = (int(x) for x in size)
+        return project_gaussians(means.double(), quats.double(), scales.double(), viewmat.double(), K.double(),
+                                 width, height)  # fmt: skip
+
+    def project_fwd(self, means, quats, scales, viewmat, K, size, eps2d, near, far, compensate):
+        out = self._project(means, quats, scales, viewmat, K, size)
+        return (out.radii[None], out.means2d[None].float(), out.depths[None].float(), out.conics[None].float(),
+                torch.zeros(0))  # fmt: skip
+
+    def project_bwd(self, means, quats, scales, viewmat, K, size, eps2d, radii, conics, v_means2d, v_depths,
+                    v_conics, compensations, v_compensations):  # fmt: skip
+        inputs = [t.detach().double().requires_grad_(True) for t in (means, quats, scales)]
+        with torch.enable_grad():
+            out = self._project(*inputs, viewmat, K, size)
+            outputs = (out.means2d, out.depths, out.conics)
+            cotangents = (v_means2d[0].double(), v_depths[0].double(), v_conics[0].double())
+            grads = torch.autograd.grad(outputs, inputs, cotangents)
+        return tuple(g.float() for g in grads)
+
+
+def test_the_canvas_projection_gives_viewmat_its_rigid_gradient(monkeypatch):
+    from gstrain.render import sized_projection
+    from gstrain.render.projection import project_gaussians
+
+    monkeypatch.setattr(sized_projection.extensions, "raster", lambda: _TorchProjectionKernel())
+    gen = torch.Generator().manual_seed(4)
+    n = 200
+    means = torch.randn(n, 3, generator=gen)
+    quats, scales = torch.randn(n, 4, generator=gen), torch.rand(n, 3, generator=gen) * 0.3
+    viewmat = correction_matrices(torch.randn(1, 6, generator=gen) * 0.3, 1.0, torch.tensor([2.0]))[0]
+    viewmat[:3, 3] += torch.tensor([0.2, -0.1, 5.0])
+    K = torch.tensor([[60.0, 0, 32], [0, 60, 30], [0, 0, 1]])
+    size = torch.tensor([64, 60], dtype=torch.int32)
+    weights = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in ((n, 2), (n,), (n, 3))]
+    got = viewmat.clone().requires_grad_(True)
+    _, means2d, depths, conics = sized_projection.project_sized(means, quats, scales, got, K, size)
+    sum((t[0].double() * w).sum() for t, w in zip((means2d, depths, conics), weights, strict=True)).backward()
+    want = viewmat.double().requires_grad_(True)
+    ref = project_gaussians(means.double(), quats.double(), scales.double(), want, K.double(), 64, 60)
+    sum((t * w).sum() for t, w in zip((ref.means2d, ref.depths, ref.conics), weights, strict=True)).backward()
+    assert float(want.grad.abs().max()) > 1e-2
+    for k in range(6):
+        xi = torch.zeros(6, dtype=torch.float64)
+        xi[k] = 1.0
+        motion = _hat(xi) @ viewmat.double()
+        expected = float((want.grad * motion).sum())
+        assert float((got.grad.double() * motion).sum()) == pytest.approx(expected, rel=1e-4, abs=1e-4), k
