@@ -103,9 +103,10 @@ def test_cli_names_a_bad_appearance_value_in_one_line(demo_scene, tmp_path):
     assert_one_error(code, err, "train.appearance must be one of none, affine, bilateral")
 
 
-def test_graphs_run_with_appearance_and_not_with_pose_refinement():
-    """The policy only (the CUDA path itself: test_appearance_graph_cuda.py): the affine correction
-    is graph-safe, pose refinement is not, and the engine note names only what refuses graphs."""
+def test_graphs_run_with_appearance_and_pose_refinement():
+    """The policy only (the CUDA path itself: test_appearance_graph_cuda.py, test_pose_graph_cuda.py):
+    the affine correction and pose refinement are graph-safe; a correction that is not keeps the
+    run off graphs, and the engine note names only it."""
     from gstrain.train.corrections import engine_note
     from gstrain.train.pose_refine import PoseRefiner
 
@@ -119,9 +120,12 @@ def test_graphs_run_with_appearance_and_not_with_pose_refinement():
     pose_cfg = _cfg({"train": {"pose_refine": True}})
     refiner = PoseRefiner([torch.eye(4)] * 3, torch.ones(3), 1.0, pose_cfg, torch.device("cpu"))
     runner.corrections = [refiner, appearance]
+    assert graphs_possible(cfg, renderer, runner, torch.device("cuda"))
+    eager_only = SimpleNamespace(name="eager_only", graph_safe=False)
+    runner.corrections = [refiner, eager_only, appearance]
     assert not graphs_possible(cfg, renderer, runner, torch.device("cuda"))
     note = engine_note(runner.corrections, "eager")
-    assert "train.pose_refine" in note and "appearance" not in note, note
+    assert "train.eager_only" in note and "appearance" not in note and "pose_refine" not in note, note
 
 
 # ----------------------------------------------------------------- resume and eval

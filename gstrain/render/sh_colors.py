@@ -5,6 +5,9 @@ visible Gaussians, dirs = mean - camera centre), without its pieces: the directi
 [N, 16, 3] concatenation of sh0 and shN, the mask, the add and the clamp, and in the backward the
 gradient's split and copies. sh0's and shN's gradients are written where they lie.
 tests/test_sh_colors_cuda.py compares it with gsplat's, forward and backward, at every degree.
+The kernel returns no camera gradient; where viewmat needs one (train.pose_refine) the camera
+centre enters as an input computed from viewmat by torch, its gradient minus the sum of the
+means' (render/camera_grad.py), so autograd carries it on to viewmat.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 from torch import Tensor
 
 from gstrain import extensions
+from gstrain.render.camera_grad import centre_grad
+from gstrain.render.projection import camera_centre
 
 # csrc/sh_colors.h kShBwdMaxRest: the backward stages at least a warp's shN rows in 48 KiB of
 # shared memory (degree 3 needs 15)
@@ -24,7 +29,9 @@ MAX_REST = 128
 class _ShColors(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor,
-                degree: int, shn_step: Any) -> Tensor:  # fmt: skip
+                degree: int, centre: Tensor | None, shn_step: Any) -> Tensor:  # fmt: skip
+        # centre: viewmat's camera centre, differentiable (None: no camera gradient); the kernel
+        # reads the centre from viewmat itself
         (colors,) = extensions.raster().sh_colors_fwd(means, sh0, shN, viewmat, radii, degree)
         ctx.save_for_backward(means, sh0, shN, viewmat, radii)
         ctx.degree = degree
@@ -38,11 +45,13 @@ class _ShColors(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if ctx.shn_step is not None:
             v_means, v_sh0 = _backward_stepping_shn(ctx, means, sh0, shN, viewmat, radii, v_colors)
-            return (v_means if needs[0] else None, v_sh0 if needs[1] else None, None, None, None, None, None)
-        v_means, v_sh0, v_shN = extensions.raster().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
-                                                                  v_colors)  # fmt: skip
+            v_shN = None
+        else:
+            v_means, v_sh0, v_shN = extensions.raster().sh_colors_bwd(means, sh0, shN, viewmat, radii, ctx.degree,
+                                                                      v_colors)  # fmt: skip
+        v_centre = centre_grad(v_means) if needs[6] else None
         return (v_means if needs[0] else None, v_sh0 if needs[1] else None, v_shN if needs[2] else None,
-                None, None, None, None)  # fmt: skip
+                None, None, None, v_centre, None)  # fmt: skip
 
 
 def _backward_stepping_shn(ctx: Any, means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: Tensor,
@@ -74,11 +83,15 @@ def sh_colors(means: Tensor, sh0: Tensor, shN: Tensor, viewmat: Tensor, radii: T
     """Colours [1, N, 3] of N Gaussians seen through the world-to-camera viewmat [4, 4]: for those
     with both radii [1, N, 2] > 0, max(SH_degree(normalize(mean - camera centre)) + 0.5, 0) with
     sh0 [N, 1, 3] and shN [N, K, 3] as gsplat's coefficients 0 and 1..K; 0.5 for the others (whose
-    colour no pixel reads). Gradients flow to means, sh0 and shN (K at most MAX_REST); a shN that
-    train/backward_adam.py marked is stepped in the backward instead, slice by slice."""
+    colour no pixel reads). Gradients flow to means, sh0 and shN (K at most MAX_REST), and to
+    viewmat where it requires them (through its camera centre); a shN that train/backward_adam.py
+    marked is stepped in the backward instead, slice by slice."""
     if shN.shape[1] > MAX_REST:
         raise ValueError(f"the fused SH colours take at most {MAX_REST} shN coefficients per Gaussian, "
                          f"got {shN.shape[1]}")  # fmt: skip
     shn_step = getattr(shN, "shn_in_backward", None)
+    viewmat = viewmat.float()
+    centre = camera_centre(viewmat) if viewmat.requires_grad else None
     return _ShColors.apply(means.float().contiguous(), sh0.float().contiguous(), shN.float().contiguous(),
-                           viewmat.float().contiguous(), radii.int().contiguous(), int(degree), shn_step)  # fmt: skip
+                           viewmat.detach().contiguous(), radii.int().contiguous(), int(degree), centre,
+                           shn_step)  # fmt: skip

@@ -6,7 +6,8 @@ image are culled. A CUDA graph captured with one size therefore cannot replay a 
 This is the same function (pinhole, eps2d blur, 3.33 sigma radii, and with calc_compensations the
 antialiased mode's opacity compensations) with the size in a [2] int32 device tensor, so one graph
 serves views of every size (train/graph_step.py). tests/test_sized_projection_cuda.py compares it
-with gsplat's, forward and backward.
+with gsplat's, forward and backward. viewmat's gradient (train.pose_refine) is exact along rigid
+motions of the camera, from the means' and quaternions' gradients (render/camera_grad.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gstrain import extensions
+from gstrain.render.camera_grad import rigid_viewmat_grad
 
 EPS2D = 0.3  # render/cuda.project_splats calls gsplat with these too
 NEAR_PLANE = 0.01
@@ -49,7 +51,8 @@ class _SizedProjection(torch.autograd.Function):
             means, quats, scales, viewmat, K, size, EPS2D, radii, conics, v_means2d.contiguous(), v_depths,
             v_conics.contiguous(), compensations, v_compensations,
         )  # fmt: skip
-        return v_means, v_quats, v_scales, None, None, None, None
+        v_viewmat = rigid_viewmat_grad(viewmat, means, quats, v_means, v_quats) if ctx.needs_input_grad[3] else None
+        return v_means, v_quats, v_scales, v_viewmat, None, None, None
 
 
 def _inputs(means: Tensor, quats: Tensor, scales: Tensor, viewmat: Tensor, K: Tensor) -> tuple[Tensor, ...]:

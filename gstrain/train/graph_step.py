@@ -23,9 +23,9 @@ What a graph freezes, and how each is handled:
   before each replay (fused_adam.advance); each slot's camera, image and device ints (width,
   height, view index: on the canvas its size and statistics row) are copied into the graph's
   inputs, and each slot's view carries its own pair budget and valid size to the renderer. A
-  graph-safe per-view correction (train/corrections.py; train.appearance) reads the view's index
-  from the device (StepView.slot) and refills its own Adam scalars (corrections.advance); one
-  that is not (train.pose_refine) keeps the run off graphs (graphs_possible);
+  graph-safe per-view correction (train/corrections.py; train.appearance, train.pose_refine)
+  reads the view's index from the device (StepView.slot) and refills its own Adam scalars
+  (corrections.advance); one that is not would keep the run off graphs (graphs_possible);
 - the rest runs eagerly: steps where the strategy refines or resets, timed steps
   (dev.time_every), ARC's tuning calls, masked views (any of a batch's), the first step, and a
   graph key's first CAPTURE_AFTER steps of an epoch (none: a capture costs the host about what an
@@ -396,8 +396,8 @@ def _graph_set_up(cfg: Any, renderer: Any, device: torch.device) -> bool:
 
 def graphs_planned(cfg: Any, renderer: Any, device: torch.device) -> bool:
     """graphs_possible as far as it is known before the step runner exists (the memory plan asks
-    it): fused Adam from dev.fused_adam; a per-view correction that rules graphs out
-    (train.pose_refine) not yet attached (a plan then counts a graph pool the run will not hold:
+    it): fused Adam from dev.fused_adam; the per-view corrections not yet attached (every one
+    is graph-safe; one that were not would make a plan count a graph pool the run will not hold:
     the safe side)."""
     return _graph_set_up(cfg, renderer, device) and bool(cfg.dev.fused_adam)
 

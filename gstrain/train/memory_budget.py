@@ -178,7 +178,7 @@ def shn_stepped_in_backward(cfg: Any, gpu: bool) -> bool:
     one view a step (the CPU path steps the whole gradient, which the peak then holds)."""
     dev = cfg.dev
     return bool(gpu and dev.adam_in_backward and dev.fused_adam and dev.fused_sh and cfg.train.batch_size == 1
-                and not cfg.train.pose_refine and cfg.render.backend in ("auto", "cuda"))
+                and cfg.render.backend in ("auto", "cuda"))
 
 
 def budget_gate(cfg: Any, device_image_bytes: int, image_shapes: list[tuple[int, ...]],

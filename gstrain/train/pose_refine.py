@@ -10,13 +10,20 @@ in camera coordinates: a rotation (axis-angle, radians) about the point p_i = (0
 optical axis at the scene's median depth d_i (pivot_depths), then a translation in units of the
 scene extent, so that one rate (optim.pose_lr) fits every scene. Gradients reach delta through
 the renderer's projection and SH directions (the reference renderer is PyTorch; gsplat's
-fully_fused_projection returns viewmat gradients; our fused SH kernel does not, so the trainer
-renders SH colours through gsplat while poses are refined).
+fully_fused_projection returns viewmat gradients, as do our canvas projection and fused SH
+colours, render/camera_grad.py). The rotation is Rodrigues' closed form of exp([omega]x):
+torch.linalg.matrix_exp reads norms back to the host on CUDA, which a captured step cannot.
 
 The update is Adam, per view: a view's row moves only at the steps that render it (a dense Adam
-would keep moving every view on its momentum), with its own step count for the bias correction.
-The rate decays exponentially from optim.pose_lr to optim.pose_lr_final between
-train.pose_refine_start and train.steps; before the start the views render as given.
+would keep moving every view on its momentum), with its own step count for the bias correction
+(train/pose_adam.py). The rate decays exponentially from optim.pose_lr to optim.pose_lr_final
+between train.pose_refine_start and train.steps; before the start the views render as given.
+
+Under the CUDA-graph engine (train/graph_step.py) the correction is graph-safe
+(train/corrections.py): a captured step picks the view's row by its index on the device
+(StepView.slot), counts the rendered rows' steps on the device, reads the step's rate from a
+device scalar the host sets before each replay (advance), and removes the gauge on the device.
+Whether the poses learn at a step (train.pose_refine_start) is part of the graph's key.
 
 After each update the corrections lose their gauge component (train/pose_gauge.py): the seven
 directions in which every camera moves by one similarity of the world, which the images cannot
@@ -31,9 +38,8 @@ Test views get no correction: their poses are not learned, so `gstrain eval` sco
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -41,23 +47,45 @@ from torch import Tensor
 
 from gstrain.data.scene import View
 from gstrain.errors import UserError
-from gstrain.train.corrections import EagerOnly, saved_correction
-from gstrain.train.pose_gauge import gauge_basis, without_gauge
+from gstrain.train.corrections import saved_correction
+from gstrain.train.pose_adam import RateFeed, row_adam_step
+from gstrain.train.pose_gauge import gauge_basis
 
-_BETAS = (0.9, 0.999)
-_EPS = 1e-15
 STATE_KEY = "pose_refine"  # its name among the checkpoint's corrections (train/corrections.py)
+# below this squared angle (radians^2) the rotation's coefficients come from their Taylor series:
+# their closed forms divide by the angle, and its square root has no gradient at zero
+_SMALL_ANGLE_SQUARED = 1e-4
+
+
+def _skew(vectors: Tensor) -> Tensor:
+    """[V,3,3] matrices [v]x with [v]x w = v x w."""
+    x, y, z = vectors.unbind(-1)
+    zero = torch.zeros_like(x)
+    return torch.stack([zero, -z, y, z, zero, -x, -y, x, zero], dim=-1).reshape(-1, 3, 3)
+
+
+def rotation_exp(omega: Tensor) -> Tensor:
+    """exp([omega]x) of axis-angle vectors omega [V,3] (radians): Rodrigues' formula
+    I + sin(t)/t K + (1 - cos(t))/t^2 K^2 with K = [omega]x, t = |omega|, the second coefficient
+    written as 2 (sin(t/2)/t)^2 (no cancellation at small angles). Device operations only, finite
+    gradients at omega = 0."""
+    skew = _skew(omega)
+    t2 = (omega * omega).sum(-1)
+    small = t2 < _SMALL_ANGLE_SQUARED
+    t = torch.where(small, torch.ones_like(t2), t2).sqrt()
+    sin_over_t = torch.where(small, 1 - t2 / 6 + t2 * t2 / 120, torch.sin(t) / t)
+    half = torch.sin(t / 2) / t
+    cos_term = torch.where(small, 0.5 - t2 / 24 + t2 * t2 / 720, 2 * half * half)
+    eye = torch.eye(3, dtype=omega.dtype, device=omega.device)
+    return eye + sin_over_t[:, None, None] * skew + cos_term[:, None, None] * (skew @ skew)
 
 
 def correction_matrices(delta: Tensor, extent: float, pivots: Tensor) -> Tensor:
     """The [V,4,4] rigid transforms of V corrections delta [V,6] (axis-angle, translation / extent),
     each rotating about the point at depth pivots [V] on its camera's optical axis."""
     omega, tau = delta[:, :3], delta[:, 3:]
+    rot = rotation_exp(omega)
     zero = torch.zeros_like(omega[:, 0])
-    skew = torch.stack([zero, -omega[:, 2], omega[:, 1],
-                        omega[:, 2], zero, -omega[:, 0],
-                        -omega[:, 1], omega[:, 0], zero], dim=-1).reshape(-1, 3, 3)  # fmt: skip
-    rot = torch.linalg.matrix_exp(skew)
     pivot = torch.stack([zero, zero, pivots.to(delta)], dim=-1)  # [V,3] in camera coordinates
     shift = tau * extent + pivot - (rot @ pivot[:, :, None])[:, :, 0]
     top = torch.cat([rot, shift[:, :, None]], dim=2)
@@ -81,13 +109,18 @@ def pivot_depths(viewmats: Sequence[Tensor], points: Any, extent: float) -> Tens
     return torch.tensor(depths, dtype=torch.float32)
 
 
-class PoseRefiner(EagerOnly):
+class PoseRefiner:
     """The training views' pose corrections and their per-view Adam (a ViewCorrection,
-    train/corrections.py; not graph-safe: its rows and step counts are chosen on the host).
-    `gauge` is the basis whose span each step removes (None: the frame is pinned otherwise, as
-    with a frozen scene, and nothing is removed)."""
+    train/corrections.py, graph-safe: see the module docstring). `gauge` is the basis whose span
+    each step removes (None: the frame is pinned otherwise, as with a frozen scene, and nothing is
+    removed).
+
+    Storage: delta, its moments, the step counts, the pivots, the gauge and the rate scalar keep
+    their storage for the run (a captured graph reads them at fixed addresses): a checkpoint is
+    copied into them."""
 
     name = STATE_KEY
+    graph_safe = True
 
     def __init__(self, viewmats: Sequence[Tensor], pivots: Tensor, extent: float, cfg: Any,
                  device: torch.device) -> None:  # fmt: skip
@@ -96,48 +129,54 @@ class PoseRefiner(EagerOnly):
         self.pivots = pivots.to(device)
         self.viewmats = [torch.as_tensor(m).detach().double().cpu() for m in viewmats]  # as given
         # the corrections that move every camera by one similarity of the world (train/pose_gauge.py)
-        self.gauge = gauge_basis(self.viewmats, self.pivots, self.extent).to(device)
+        self.gauge: Tensor | None = gauge_basis(self.viewmats, self.pivots, self.extent).to(device)
         self.delta = torch.zeros(n_views, 6, device=device, requires_grad=True)
         self.exp_avg = torch.zeros(n_views, 6, device=device)
         self.exp_avg_sq = torch.zeros(n_views, 6, device=device)
-        self.updates = torch.zeros(n_views, dtype=torch.int64)  # Adam steps per view (host: no sync)
+        self.updates = torch.zeros(n_views, dtype=torch.int64, device=device)  # Adam steps per view
         self.lr, self.lr_final = float(cfg.optim.pose_lr), float(cfg.optim.pose_lr_final)
         self.start, self.steps = int(cfg.train.pose_refine_start), int(cfg.train.steps)
-        self._rendered: list[int] = []  # the views this step rendered through a correction
+        self.rate_feed = RateFeed(torch.device(device))  # a captured step's rate (advance)
+        # the views this step rendered through a correction: host indices, or (a captured step) device ones
+        self._rendered: list[int | Tensor] = []
+        self._skip: Tensor | None = None  # the skip flag while a CUDA graph of the step is captured
 
     # ------------------------------------------------------------ ViewCorrection
     def camera(self, viewmat: Tensor, view: Any, step: int) -> Tensor:
-        index = view.index
-        if step < self.start or index is None:
+        if step < self.start:
             return viewmat
-        self._rendered.append(index)
-        fix = correction_matrices(self.delta[index : index + 1], self.extent, self.pivots[index : index + 1])[0]
-        return fix.to(viewmat) @ viewmat
+        slot = getattr(view, "slot", None)
+        if slot is not None:  # a captured step: the row chosen on the device
+            row = slot.reshape(1).long()
+            self._rendered.append(row)
+            fix = correction_matrices(self.delta.index_select(0, row), self.extent, self.pivots.index_select(0, row))
+        elif view.index is None:  # not a training view: nothing learned for it
+            return viewmat
+        else:
+            index = view.index
+            self._rendered.append(index)
+            fix = correction_matrices(self.delta[index : index + 1], self.extent, self.pivots[index : index + 1])
+        return fix[0].to(viewmat) @ viewmat
 
     def image(self, image: Tensor, view: Any) -> Tensor:
         return image
 
     def after_step(self, step: int) -> None:
-        rendered, self._rendered = sorted(set(self._rendered)), []
+        rendered, self._rendered = self._rendered, []
         grad = self.delta.grad
         self.delta.grad = None
         if not rendered or grad is None:
             return
-        rows = torch.tensor(rendered, device=self.delta.device)
-        self.updates[rendered] += 1
-        t = self.updates[rendered].to(self.delta)[:, None]
-        g = grad[rows]
-        b1, b2 = _BETAS
-        with torch.no_grad():
-            m = self.exp_avg[rows].mul_(b1).add_(g, alpha=1 - b1)
-            v = self.exp_avg_sq[rows].mul_(b2).addcmul_(g, g, value=1 - b2)
-            self.exp_avg[rows] = m
-            self.exp_avg_sq[rows] = v
-            step_size = self.rate(step) / (1 - b1**t)
-            denom = (v / (1 - b2**t)).sqrt() + _EPS
-            self.delta[rows] -= step_size * m / denom
-            if self.gauge is not None:
-                self.delta.copy_(without_gauge(self.delta, self.gauge))
+        device = self.delta.device
+        on_host = sorted({r for r in rendered if isinstance(r, int)})
+        on_device = [r for r in rendered if isinstance(r, Tensor)]
+        if on_host:  # (never inside a capture: a host-to-device copy cannot be captured)
+            on_device.append(torch.tensor(on_host, dtype=torch.int64, device=device))
+        rows = torch.cat(on_device)
+        # a captured step reads the rate the host set before its replay; an eager one its own
+        rate = self.rate_feed.value if self._skip is not None else torch.tensor(self.rate(step), dtype=torch.float32)
+        row_adam_step(self.delta, grad, self.exp_avg, self.exp_avg_sq, self.updates, rows, rate, self.gauge,
+                      self._skip)  # fmt: skip
 
     def rate(self, step: int) -> float:
         """The rate at step `step`: pose_lr at pose_refine_start, pose_lr_final at train.steps."""
@@ -147,11 +186,35 @@ class PoseRefiner(EagerOnly):
             return self.lr * (1.0 - frac) if self.lr_final <= 0.0 else self.lr
         return self.lr * math.exp(frac * math.log(self.lr_final / self.lr))
 
+    # ------------------------------------------------------------ CUDA graphs (corrections.py)
+    def graph_key(self, step: int) -> Hashable:
+        """What a captured step bakes in: whether the poses learn at `step`, the extent, and the
+        addresses (and the gauge's shape) of what it reads and writes."""
+        tensors = (self.delta, self.exp_avg, self.exp_avg_sq, self.updates, self.pivots, self.rate_feed.value)
+        gauge = None if self.gauge is None else (self.gauge.data_ptr(), tuple(self.gauge.shape))
+        return (step >= self.start, self.extent, gauge, *(t.data_ptr() for t in tensors))
+
+    def advance(self, step: int) -> None:
+        """Before a replay of step `step`: its rate into the device scalar the captured step reads."""
+        if step >= self.start:
+            self.rate_feed.set(self.rate(step))
+
+    def rewind(self, steps: Sequence[int]) -> None:
+        """Nothing to take back: the step counts are kept on the device, and a skipped replay left
+        them as they were."""
+
+    def set_skip_flag(self, flag: Tensor | None) -> None:
+        """A capture begins (flag: the device flag that makes the update a no-op) or ends (None)."""
+        self._skip = flag
+        self.delta.grad = None
+        self._rendered = []
+
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors and numbers (train/state_file.py)."""
+        """Plain tensors and numbers (train/state_file.py); the step counts on the host, as the
+        checkpoints have always held them."""
         return {"delta": self.delta.detach(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
-                "updates": self.updates, "extent": self.extent, "pivots": self.pivots}  # fmt: skip
+                "updates": self.updates.cpu(), "extent": self.extent, "pivots": self.pivots}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -161,7 +224,11 @@ class PoseRefiner(EagerOnly):
         self.updates.copy_(state["updates"])
         self.extent = float(state["extent"])
         self.pivots.copy_(state["pivots"])
-        self.gauge = gauge_basis(self.viewmats, self.pivots, self.extent).to(self.delta.device)
+        gauge = gauge_basis(self.viewmats, self.pivots, self.extent).to(self.delta.device)
+        if self.gauge is not None and self.gauge.shape == gauge.shape:
+            self.gauge.copy_(gauge)  # in the storage graphs captured before read
+        else:
+            self.gauge = gauge
 
     def refined(self, views: Sequence[View]) -> list[View]:
         """The training views with their learned poses (no gradients)."""
@@ -187,16 +254,13 @@ def refined_views(views: Sequence[View], state: dict[str, Any] | None) -> list[V
     return [v.with_pose((fix @ v.viewmat.float().cpu()).contiguous()) for v, fix in zip(views, fixes, strict=True)]
 
 
-def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, renderer: Any, runner: Any,
-                        device: torch.device, log: Any = print) -> PoseRefiner | None:  # fmt: skip
-    """With train.pose_refine: a PoseRefiner on the step's corrections (None without). The paths
-    that cannot give viewmat gradients are switched off: our fused SH kernel (SH colours go through
-    gsplat's, said in one line); CUDA graphs, as it is not graph-safe (graph_step.graphs_possible)."""
+def attach_pose_refiner(cfg: Any, views: Sequence[View], points: Any, extent: float, runner: Any,
+                        device: torch.device) -> PoseRefiner | None:  # fmt: skip
+    """With train.pose_refine: a PoseRefiner on the step's corrections (None without). Every
+    renderer path gives it viewmat gradients (the fused SH colours and the canvas projection
+    through render/camera_grad.py), so the run keeps its renderer and its CUDA graphs."""
     if not cfg.train.pose_refine:
         return None
-    if renderer.backend == "cuda" and renderer.options.fused_sh:
-        log("gstrain: train.pose_refine: SH colours through gsplat (the fused SH kernel has no camera gradient)")
-        renderer.options = dataclasses.replace(renderer.options, fused_sh=False)
     viewmats = [v.viewmat for v in views]
     refiner = PoseRefiner(viewmats, pivot_depths(viewmats, points, extent), extent, cfg, device)
     runner.corrections.append(refiner)

@@ -101,8 +101,7 @@ class Trainer(RunReporting):
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
         # per-view corrections on the step (train/corrections.py): train.pose_refine, train.appearance
-        self.pose_refiner = attach_pose_refiner(cfg, scene.train, scene.points, scene.extent, self.renderer,
-                                                self.runner, device, log)  # fmt: skip
+        self.pose_refiner = attach_pose_refiner(cfg, scene.train, scene.points, scene.extent, self.runner, device)
         self.runner.corrections.extend(build_corrections(cfg, len(scene.train), device))
         self.ctx = StepContext(
             cfg=cfg, device=device, params=params, optimizers=optimizers,
