@@ -14,6 +14,11 @@ disk: nothing decoded at start-up (a lazy scene: gstrain/data/images.py); a smal
       decoded yet waits for it, and the store counts how often and how long ("data-bound").
 auto: the first of gpu, host, disk that the images fit in (choose_images_on), said in one line.
 
+A lazy view of a distorted camera is decoded as it is in the file (resized, still distorted) and
+undistorted on the training device by its map (data/undistort.py): gpu after the copy at start-up,
+host and disk after each copy, by the same kernels, so every store gives the same bytes on a device.
+Host memory and the disk queue hold the distorted decodes (their own size: decoded_shape).
+
 get() of the index the last few get() calls returned gives the same tensor again (a step reads
 its target again for the train PSNR), without a second copy or decode.
 """
@@ -31,8 +36,9 @@ from typing import NoReturn, Protocol
 import torch
 
 from gstrain.choices import IMAGES_ON
-from gstrain.data.images import LazyView, view_shape
+from gstrain.data.images import LazyView, decoded_pixels, decoded_shape, view_map, view_shape
 from gstrain.data.scene import View
+from gstrain.data.undistort import UndistortMap, pin_maps, remap
 from gstrain.errors import UserError
 
 # auto keeps the images on the device when they take at most this share of its free memory: the
@@ -53,11 +59,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def choose_images_on(image_bytes: int, device_free: int | None, host_available: int) -> tuple[str, str]:
+def choose_images_on(image_bytes: int, device_free: int | None, host_available: int,
+                     host_bytes: int | None = None) -> tuple[str, str]:
     """auto's pick for `image_bytes` of decoded images, and the one line that says why.
 
     device_free: free bytes on the CUDA device (None when training on the CPU, where the device
-    memory is the host's and "gpu" means resident in it)."""
+    memory is the host's and "gpu" means resident in it). host_bytes: what host memory would hold
+    (the decodes before undistortion; None: image_bytes)."""
+    host_bytes = image_bytes if host_bytes is None else host_bytes
     if device_free is None:
         if image_bytes <= HOST_SHARE * host_available:
             return "gpu", (f"data.images_on=auto: images resident ({_gib(image_bytes)} decoded, "
@@ -67,7 +76,7 @@ def choose_images_on(image_bytes: int, device_free: int | None, host_available: 
     if image_bytes <= DEVICE_SHARE * device_free:
         return "gpu", (f"data.images_on=auto: gpu ({_gib(image_bytes)} decoded, at most {DEVICE_SHARE:.0%} "
                        f"of the {_gib(device_free)} free on the GPU)")
-    if image_bytes <= HOST_SHARE * host_available:
+    if host_bytes <= HOST_SHARE * host_available:
         return "host", (f"data.images_on=auto: host ({_gib(image_bytes)} decoded is over {DEVICE_SHARE:.0%} "
                         f"of the {_gib(device_free)} free on the GPU; {_gib(host_available)} of host memory "
                         "available)")
@@ -111,14 +120,20 @@ class ImageStore(Protocol):
 def decode_all(views: Sequence[View], pin: bool = False, workers: int = START_WORKERS) -> list[torch.Tensor]:
     """Every view's image ([H, W, 3] uint8, CPU), decoded in parallel (lazy views decode here);
     pin: into pinned memory, each as it is decoded (host memory never holds two copies of all)."""
+    return list(_decode_each(views, lambda view: view.image, pin, workers))
+
+
+def _decode_each(views: Sequence[View], read: Callable[[View], torch.Tensor], pin: bool = False,
+                 workers: int = START_WORKERS) -> Iterator[torch.Tensor]:
+    """read(view) for every view, in order, `workers` at a time (PIL decodes without the GIL)."""
     if not views:
-        return []
+        return
 
     def one(view: View) -> torch.Tensor:
-        return view.image.pin_memory() if pin else view.image
+        return read(view).pin_memory() if pin else read(view)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(views)))) as pool:
-        return list(pool.map(one, views))
+        yield from pool.map(one, views)
 
 
 class _Recent:
@@ -149,6 +164,14 @@ class _Base:
         self.lookahead = self.per_step  # one step ahead
         self.recent = _Recent(self.per_step)
         self.cuda = device.type == "cuda"
+        # each view's undistortion (None: decoded_pixels is its image); pinned on CUDA for async copies
+        maps = [view_map(v) for v in views]
+        self.maps: list[UndistortMap | None] = pin_maps(maps) if self.cuda else maps
+
+    def _finish(self, idx: int, decoded: torch.Tensor) -> torch.Tensor:
+        """decoded_pixels of view idx, already on its device, as the view's image there."""
+        undistort = self.maps[idx]
+        return decoded if undistort is None else remap(decoded, undistort)
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -170,7 +193,8 @@ class ResidentStore(_Base):
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
         super().__init__(views, device, per_step)
-        self.images = [image.to(device) for image in decode_all(views)]
+        self.images = [self._finish(idx, image.to(device))
+                       for idx, image in enumerate(_decode_each(views, decoded_pixels))]
 
     def get(self, idx: int) -> torch.Tensor:
         return self.images[idx]
@@ -186,16 +210,16 @@ class HostStore(_Base):
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
         super().__init__(views, device, per_step)
-        self.host = decode_all(views, pin=self.cuda)
+        self.host = list(_decode_each(views, decoded_pixels, pin=self.cuda))  # not undistorted yet
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.inflight: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.missed = 0  # gets whose copy had not been started ahead
 
     def _start(self, idx: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if self.stream is None:
-            return self.host[idx], None
-        with torch.cuda.stream(self.stream):
-            image = self.host[idx].to(self.device, non_blocking=True)
+            return self._finish(idx, self.host[idx]), None
+        with torch.cuda.stream(self.stream):  # the copy and the undistortion, beside the step
+            image = self._finish(idx, self.host[idx].to(self.device, non_blocking=True))
             done = torch.cuda.Event()
             done.record(self.stream)
         return image, done
@@ -245,9 +269,11 @@ class DiskStore(_Base):
         self.longest_s = 0.0
 
     def _decode(self, idx: int) -> torch.Tensor:
-        image = self.views[idx].image
+        image = decoded_pixels(self.views[idx])
+        if not self.cuda:  # the device is this CPU: undistorted here, in the worker (torch frees the GIL)
+            return self._finish(idx, image)
         # pinned, the copy to the device is asynchronous; torch keeps the block until it has run
-        return image.pin_memory() if self.cuda else image
+        return image.pin_memory()
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
         for idx in upcoming[: self.depth]:
@@ -276,7 +302,7 @@ class DiskStore(_Base):
             self.waited_s += waited
             self.longest_s = max(self.longest_s, waited)
         if self.cuda:
-            image = image.to(self.device, non_blocking=True)
+            image = self._finish(idx, image.to(self.device, non_blocking=True))
         return self.recent.add(idx, image)
 
     def note(self) -> str | None:
@@ -300,11 +326,13 @@ def check_images_on(value: str) -> None:
         raise UserError(f"data.images_on must be one of {', '.join(IMAGES_ON)}; got '{value}'")
 
 
-def scene_is_lazy(images_on: str) -> bool:
-    """Whether to load the scene lazily (headers only): all but gpu, which decodes every image at
-    start-up anyway (auto decides once the sizes are known, and decodes then if it keeps them)."""
+def scene_is_lazy(images_on: str, device: torch.device | None = None) -> bool:
+    """Whether to load the scene lazily (headers only): all but gpu on the CPU, which decodes every
+    image at start-up anyway (auto decides once the sizes are known, and decodes then if it keeps
+    them). gpu on CUDA is lazy too: its store decodes at start-up and undistorts on the device, as
+    host and disk do, so the three give the same bytes."""
     check_images_on(images_on)
-    return images_on != "gpu"
+    return images_on != "gpu" or (device is not None and device.type == "cuda")
 
 
 def resolve_images_on(
@@ -317,10 +345,12 @@ def resolve_images_on(
     if images_on != "auto":
         return images_on
     image_bytes = sum(h * w * c for h, w, c in (view_shape(v) for v in views))
+    host_bytes = sum(h * w * c for h, w, c in (decoded_shape(v) for v in views))  # host keeps them distorted
     if device_free is None:
         device_free = device_free_bytes(device)
     where, line = choose_images_on(image_bytes, device_free,
-                                   host_available if host_available is not None else host_available_bytes())
+                                   host_available if host_available is not None else host_available_bytes(),
+                                   host_bytes)
     log(f"gstrain: {line}")
     return where
 

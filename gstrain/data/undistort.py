@@ -1,0 +1,113 @@
+"""Undistortion to PINHOLE as a resampling on the device the image lives on.
+
+pycolmap owns the camera models: where each undistorted pixel samples the distorted image comes
+from pycolmap's own camera functions (the pinhole's cam_from_img, the distorted camera's
+img_from_cam), evaluated once per camera at load time on a coarse grid (UndistortMap). Torch only
+resamples: at use, the coarse map is upsampled bilinearly to full size and the image is sampled
+bilinearly, so the per-image work is a few kernels on the GPU (or torch on the CPU) instead of
+pycolmap.undistort_image, which holds the GIL for ~60 ms per 720x1280 photo.
+
+The result follows pycolmap.undistort_image (COLMAP's WarpImageBetweenCameras): the top-left pixel
+centre is (0.5, 0.5); a pixel whose source point does not have all four bilinear neighbours inside
+the distorted image (0 <= x < width - 1, likewise y, in pixel-index units) is black; values are
+rounded half up to uint8. It differs from pycolmap by at most a level or two, where the coarse map's
+interpolation or float32 moves a bilinear value across a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pycolmap
+import torch
+import torch.nn.functional as F
+
+# Spacing of the coarse map in undistorted pixels (at most; the grid spans the image exactly). The
+# map of the distortion models COLMAP undistorts is smooth: bilinear interpolation between nodes 16 px
+# apart stays within a few thousandths of a pixel of pycolmap's own per-pixel map on the tested cameras.
+MAP_STEP = 16
+# A normalised coordinate far outside [-1, 1]: where pycolmap cannot project a node (no finite point).
+_OUTSIDE = -8.0
+
+
+@dataclass(frozen=True, eq=False)
+class UndistortMap:
+    """Where the undistorted image samples the distorted one, on a coarse grid.
+
+    grid: [1, 2, rows, cols] float32, the source point (x, y) of each node in grid_sample's
+    normalised units with align_corners=True (-1: the first pixel's centre, +1: the last's). Node
+    (i, j) is undistorted pixel (j * (width - 1) / (cols - 1), i * (height - 1) / (rows - 1)), so
+    F.interpolate(align_corners=True) to (height, width) gives every pixel's source point."""
+
+    grid: torch.Tensor
+    size: tuple[int, int]  # (width, height) of the undistorted image
+    source: tuple[int, int]  # (width, height) of the distorted image it samples
+
+    @property
+    def nbytes(self) -> int:
+        return self.grid.numel() * self.grid.element_size()
+
+
+def _nodes(length: int, step: int) -> np.ndarray:
+    """Node positions 0 .. length - 1 (pixel indices), evenly spaced at most `step` apart."""
+    count = max(2, math.ceil((length - 1) / step) + 1) if length > 1 else 1
+    return np.linspace(0.0, length - 1, count)
+
+
+def build_map(distorted: pycolmap.Camera, pinhole: pycolmap.Camera, step: int = MAP_STEP) -> UndistortMap:
+    """The coarse map from `pinhole` (pycolmap.undistort_camera's result) to `distorted`, both at
+    the sizes the images have when remapped."""
+    width, height = int(pinhole.width), int(pinhole.height)
+    src_w, src_h = int(distorted.width), int(distorted.height)
+    xs, ys = _nodes(width, step), _nodes(height, step)
+    gx, gy = np.meshgrid(xs, ys)
+    pixels = np.stack([gx.ravel() + 0.5, gy.ravel() + 0.5], axis=1)  # COLMAP: pixel centres at +0.5
+    rays = pinhole.cam_from_img(pixels)
+    points = distorted.img_from_cam(np.concatenate([rays, np.ones((len(rays), 1))], axis=1)) - 0.5
+    grid = np.full(points.shape, _OUTSIDE)
+    if src_w > 1 and src_h > 1:  # a one-pixel side has no bilinear pair: every pixel is black in COLMAP
+        scale = np.array([2.0 / (src_w - 1), 2.0 / (src_h - 1)])
+        finite = np.isfinite(points).all(axis=1)
+        grid[finite] = points[finite] * scale - 1.0
+    coarse = torch.from_numpy(grid.astype(np.float32).T.reshape(1, 2, len(ys), len(xs)).copy())
+    return UndistortMap(coarse, (width, height), (src_w, src_h))
+
+
+def remap(image: torch.Tensor, undistort: UndistortMap) -> torch.Tensor:
+    """[H, W, C] uint8 undistorted, on `image`'s device, from the distorted [h, w, C] uint8 `image`
+    (h, w: undistort.source). The same kernels on every device; deterministic."""
+    if (image.shape[1], image.shape[0]) != undistort.source:
+        raise ValueError(f"image is {image.shape[1]}x{image.shape[0]}, the map samples "
+                         f"{undistort.source[0]}x{undistort.source[1]}")
+    width, height = undistort.size
+    coarse = undistort.grid.to(image.device, non_blocking=True)
+    grid = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=True).permute(0, 2, 3, 1)
+    source = image.permute(2, 0, 1).unsqueeze(0).float()
+    sampled = F.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+    # COLMAP blacks out a pixel unless all four neighbours are inside; grid_sample's zero padding
+    # would blend the edge pixels with zeros instead
+    inside = ((grid >= -1.0) & (grid < 1.0)).all(dim=3, keepdim=True).permute(0, 3, 1, 2)
+    sampled = sampled.mul_(inside).add_(0.5)  # + 0.5, then truncation: rounded half up, as COLMAP does
+    out = torch.empty((height, width, image.shape[2]), dtype=torch.uint8, device=image.device)
+    return out.copy_(sampled[0].permute(1, 2, 0))
+
+
+def pin_maps(maps: list[UndistortMap | None]) -> list[UndistortMap | None]:
+    """The maps with their grids in one block of pinned host memory, so that remap's copy to a
+    CUDA device is asynchronous (a copy from pageable memory may wait for the stream)."""
+    present = [m for m in maps if m is not None]
+    if not present:
+        return maps
+    block = torch.cat([m.grid.reshape(-1) for m in present]).pin_memory()
+    out: list[UndistortMap | None] = []
+    offset = 0
+    for m in maps:
+        if m is None:
+            out.append(None)
+            continue
+        count = m.grid.numel()
+        out.append(UndistortMap(block[offset : offset + count].view(m.grid.shape), m.size, m.source))
+        offset += count
+    return out
