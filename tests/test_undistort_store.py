@@ -131,3 +131,10 @@ def test_auto_weighs_host_memory_by_the_distorted_decodes(distorted_scene: Path)
     assert where == expected and len(said) == 1
     if expected == "disk":
         assert "before undistortion" in said[0]
+
+
+def test_views_of_one_camera_share_one_map(distorted_scene: Path) -> None:
+    """write_scene gives every image one camera: its map is built once (start-up of big captures)."""
+    lazy = load_scene(distorted_scene, test_every=0, lazy=True)
+    maps = {id(v.recipe.undistort) for v in lazy.train if isinstance(v, LazyView)}
+    assert len(lazy.train) == 4 and len(maps) == 1 and lazy.train[0].recipe.undistort is not None

@@ -68,6 +68,9 @@ class ViewLoader:
         self.composite_over = None if composite_over is None else np.asarray(composite_over, np.float64)
         self.camera_label = camera_label
         self.options = pycolmap.UndistortCameraOptions()  # the pinhole's size and focal length
+        # (model, size, params) of a rescaled distorted camera -> (pinhole, map): views that share
+        # a camera (most captures) share one map, built once
+        self.undistortions: dict[tuple, tuple[pycolmap.Camera, UndistortMap]] = {}
         # name -> (file size, camera size) of images that did not match their camera
         self.size_mismatch: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
         self.alpha: list[str] = []  # images with an alpha channel (a mask, or composited)
@@ -136,15 +139,12 @@ class ViewLoader:
 
         camera_size = (cam.width, cam.height)
         distorted = cam.model_name not in PINHOLE_MODELS
+        undistort: UndistortMap | None = None
         if distorted:
             # Downscale first, then undistort with the rescaled camera: same result as the other order
             # within ~1/255 mean abs (checked on the beer scene), and factor^2 less undistortion work.
             cam.rescale(target[0], target[1])
-            try:
-                pin = pycolmap.undistort_camera(self.options, cam)
-                undistort: UndistortMap | None = build_map(cam, pin)
-            except Exception as exc:
-                raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
+            pin, undistort = self._undistortion(cam, file)
             K = pin.calibration_matrix()
             size = (int(pin.width), int(pin.height))
         else:
@@ -153,7 +153,6 @@ class ViewLoader:
             K[0, :] *= target[0] / cam.width
             K[1, :] *= target[1] / cam.height
             size = target
-            undistort = None
         recipe = ImageRecipe(file, target, size, undistort, self.composite_over)
 
         # masks: same resize and undistortion as the image (data/masks.py)
@@ -168,6 +167,19 @@ class ViewLoader:
         else:
             view = View(name=source.name, image=recipe.pixels(), K=K_t, viewmat=viewmat_t, mask=mask)
         return view, (source.camera.model_name if distorted else None)
+
+
+    def _undistortion(self, cam: pycolmap.Camera, file: Path) -> tuple[pycolmap.Camera, UndistortMap]:
+        """The pinhole pycolmap undistorts `cam` (rescaled to the decoded size) to, and the map."""
+        key = (cam.model_name, cam.width, cam.height, tuple(float(p) for p in cam.params))
+        found = self.undistortions.get(key)
+        if found is None:  # two threads may both build one; either result is the same
+            try:
+                pin = pycolmap.undistort_camera(self.options, cam)
+                found = self.undistortions[key] = (pin, build_map(cam, pin))
+            except Exception as exc:
+                raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
+        return found
 
 
 def file_mode(img: Image.Image) -> str:
