@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pycolmap
 import pytest
@@ -172,3 +174,17 @@ def test_last_row_and_column_have_no_right_neighbour() -> None:
     # lands on it exactly
     assert np.array_equal(reference[1:-1, :-1], image[1:-1, :-1])
     assert np.array_equal(got[:-1, :-1], image[:-1, :-1])
+
+
+@pytest.mark.parametrize("model", list(CAMERAS))
+def test_maps_inside_the_image_skip_the_edge_test_alike(model: str) -> None:
+    """pycolmap's default pinhole keeps every source point inside: the map says so, and remap's
+    shortcut (no edge test) gives the bytes the edge test gives. With blank_pixels=1 it is not."""
+    camera = _camera(model)
+    image = torch.from_numpy(photo_like(WIDTH, HEIGHT, seed=7))
+    undistort = build_map(camera, pycolmap.undistort_camera(pycolmap.UndistortCameraOptions(), camera))
+    assert undistort.inside
+    assert torch.equal(remap(image, undistort), remap(image, replace(undistort, inside=False)))
+    options = pycolmap.UndistortCameraOptions()
+    options.blank_pixels = 1.0
+    assert not build_map(camera, pycolmap.undistort_camera(options, camera)).inside

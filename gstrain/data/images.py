@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class ViewLoader:
         # (model, size, params) of a rescaled distorted camera -> (pinhole, map): views that share
         # a camera (most captures) share one map, built once
         self.undistortions: dict[tuple, tuple[pycolmap.Camera, UndistortMap]] = {}
+        self.undistortions_lock = threading.Lock()  # the loader's threads: one build per camera
         # name -> (file size, camera size) of images that did not match their camera
         self.size_mismatch: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
         self.alpha: list[str] = []  # images with an alpha channel (a mask, or composited)
@@ -172,13 +174,14 @@ class ViewLoader:
     def _undistortion(self, cam: pycolmap.Camera, file: Path) -> tuple[pycolmap.Camera, UndistortMap]:
         """The pinhole pycolmap undistorts `cam` (rescaled to the decoded size) to, and the map."""
         key = (cam.model_name, cam.width, cam.height, tuple(float(p) for p in cam.params))
-        found = self.undistortions.get(key)
-        if found is None:  # two threads may both build one; either result is the same
-            try:
-                pin = pycolmap.undistort_camera(self.options, cam)
-                found = self.undistortions[key] = (pin, build_map(cam, pin))
-            except Exception as exc:
-                raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
+        with self.undistortions_lock:  # ~2 ms a camera, mostly under the GIL anyway
+            found = self.undistortions.get(key)
+            if found is None:
+                try:
+                    pin = pycolmap.undistort_camera(self.options, cam)
+                    found = self.undistortions[key] = (pin, build_map(cam, pin))
+                except Exception as exc:
+                    raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
         return found
 
 

@@ -32,6 +32,11 @@ import torch.nn.functional as F
 MAP_STEP = 16
 MIN_MAP_STEP = 2
 MAP_TOLERANCE = 0.01
+# A map whose checked points (nodes and midpoints) all keep this far inside the distorted image's
+# bilinear range has no pixel to black out, and remap skips that test: ten times the tolerance.
+# pycolmap.undistort_camera's default pinhole keeps 0.35 px or more inside on the tested cameras
+# (beer's at factors 1, 2 and 8, and the four models of tests/test_undistort.py).
+EDGE_MARGIN = 0.1
 # A normalised coordinate far outside [-1, 1]: where pycolmap cannot project a node (no finite point).
 _OUTSIDE = -8.0
 
@@ -48,6 +53,7 @@ class UndistortMap:
     grid: torch.Tensor
     size: tuple[int, int]  # (width, height) of the undistorted image
     source: tuple[int, int]  # (width, height) of the distorted image it samples
+    inside: bool = False  # every pixel's source point is EDGE_MARGIN inside: none is black
 
     @property
     def nbytes(self) -> int:
@@ -89,24 +95,26 @@ def build_map(distorted: pycolmap.Camera, pinhole: pycolmap.Camera, step: int = 
     while True:
         xs, ys = _nodes(width, step), _nodes(height, step)
         points = _source_points(distorted, pinhole, xs, ys)
-        if tolerance <= 0 or step <= MIN_MAP_STEP or min(len(xs), len(ys)) < 2:
-            break
-        exact = _source_points(distorted, pinhole, _midpoints(xs), _midpoints(ys))
+        exact = _source_points(distorted, pinhole, _midpoints(xs), _midpoints(ys))  # holds the nodes too
         across = (points[:, :-1] + points[:, 1:]) / 2  # bilinear interpolation at the midpoints
         down = (points[:-1] + points[1:]) / 2
         centre = (down[:, :-1] + down[:, 1:]) / 2
         stray = np.concatenate([np.abs(across - exact[0::2, 1::2]).ravel(), np.abs(down - exact[1::2, 0::2]).ravel(),
                                 np.abs(centre - exact[1::2, 1::2]).ravel()])
-        if not np.isfinite(stray).all() or stray.max() <= tolerance:
+        if tolerance <= 0 or step <= MIN_MAP_STEP or stray.size == 0 or not np.isfinite(stray).all():
             break  # nodes pycolmap cannot project are black all the same
+        if stray.max() <= tolerance:
+            break
         step = max(MIN_MAP_STEP, step // 2)
+    low, high = EDGE_MARGIN, np.array([src_w - 1.0, src_h - 1.0]) - EDGE_MARGIN
+    inside = bool(np.isfinite(exact).all() and (exact >= low).all() and (exact <= high).all())
     grid = np.full(points.shape, _OUTSIDE)
     if src_w > 1 and src_h > 1:  # a one-pixel side has no bilinear pair: every pixel is black in COLMAP
         scale = np.array([2.0 / (src_w - 1), 2.0 / (src_h - 1)])
         finite = np.isfinite(points).all(axis=2)
         grid[finite] = points[finite] * scale - 1.0
     coarse = torch.from_numpy(np.ascontiguousarray(grid.astype(np.float32).transpose(2, 0, 1))[None])
-    return UndistortMap(coarse, (width, height), (src_w, src_h))
+    return UndistortMap(coarse, (width, height), (src_w, src_h), inside)
 
 
 def remap(image: torch.Tensor, undistort: UndistortMap) -> torch.Tensor:
@@ -118,12 +126,14 @@ def remap(image: torch.Tensor, undistort: UndistortMap) -> torch.Tensor:
     width, height = undistort.size
     coarse = undistort.grid.to(image.device, non_blocking=True)
     grid = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=True).permute(0, 2, 3, 1)
-    source = image.permute(2, 0, 1).unsqueeze(0).float()
+    # + 0.5 (the bilinear weights sum to 1), then truncation to uint8: rounded half up, as COLMAP does
+    source = image.permute(2, 0, 1).unsqueeze(0) + 0.5  # float32
     sampled = F.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
-    # COLMAP blacks out a pixel unless all four neighbours are inside; grid_sample's zero padding
-    # would blend the edge pixels with zeros instead
-    inside = ((grid >= -1.0) & (grid < 1.0)).all(dim=3, keepdim=True).permute(0, 3, 1, 2)
-    sampled = sampled.mul_(inside).add_(0.5)  # + 0.5, then truncation: rounded half up, as COLMAP does
+    if not undistort.inside:
+        # COLMAP blacks out a pixel unless all four neighbours are inside; grid_sample's zero
+        # padding would blend the edge pixels with zeros instead
+        inside = ((grid >= -1.0) & (grid < 1.0)).all(dim=3, keepdim=True).permute(0, 3, 1, 2)
+        sampled = sampled.mul_(inside)
     out = torch.empty((height, width, image.shape[2]), dtype=torch.uint8, device=image.device)
     return out.copy_(sampled[0].permute(1, 2, 0))
 
@@ -142,6 +152,6 @@ def pin_maps(maps: list[UndistortMap | None]) -> list[UndistortMap | None]:
             out.append(None)
             continue
         count = m.grid.numel()
-        out.append(UndistortMap(block[offset : offset + count].view(m.grid.shape), m.size, m.source))
+        out.append(UndistortMap(block[offset : offset + count].view(m.grid.shape), m.size, m.source, m.inside))
         offset += count
     return out
