@@ -59,3 +59,20 @@ def test_streamed_undistorted_on_cuda_equal_resident(distorted_scene: Path) -> N
             (idx, image), = draw_views(store, sampler)
             assert image.device.type == "cuda" and torch.equal(image, resident.get(idx)), (kind, idx)
         store.close()
+
+
+def test_disk_stages_the_next_decoded_image_beside_the_step(distorted_scene: Path) -> None:
+    """A decode that is done when the sampler's next indices come is copied and undistorted on the
+    side stream at once (staged), not decoded again, and get() returns it without a wait."""
+    lazy = load_scene(distorted_scene, factor=2, test_every=0, lazy=True)
+    resident = ResidentStore(lazy.train, CUDA)
+    store = DiskStore(lazy.train, CUDA, workers=1, depth=3)
+    store.prefetch([2, 4, 1])
+    for future in list(store.pending.values()):
+        future.result()
+    store.prefetch([2, 4, 1])  # the next step's view (per_step=1) is decoded: staged
+    assert list(store.staged) == [2] and 2 not in store.pending
+    torch.cuda._sleep(2_000_000)
+    assert torch.equal(store.get(2), resident.get(2)) and store.waits == 0 and not store.staged
+    assert torch.equal(store.get(4), resident.get(4)) and store.waits == 0  # decoded, not staged: no wait
+    store.close()

@@ -116,11 +116,30 @@ class _Base:
         # each view's undistortion (None: decoded_pixels is its image); pinned on CUDA for async copies
         maps = [view_map(v) for v in views]
         self.maps: list[UndistortMap | None] = pin_maps(maps) if self.cuda else maps
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # copies beside the step
 
     def _finish(self, idx: int, decoded: torch.Tensor) -> torch.Tensor:
         """decoded_pixels of view idx, already on its device, as the view's image there."""
         undistort = self.maps[idx]
         return decoded if undistort is None else remap(decoded, undistort)
+
+    def _upload(self, idx: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """View idx's image from its decoded_pixels (pinned on CUDA): copied and undistorted on the
+        side stream, with the event the step waits for (_ready); on the CPU, undistorted here."""
+        if self.stream is None:
+            return self._finish(idx, decoded), None
+        with torch.cuda.stream(self.stream):
+            image = self._finish(idx, decoded.to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return image, done
+
+    def _ready(self, image: torch.Tensor, done: torch.cuda.Event | None) -> torch.Tensor:
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)  # the step waits for its copy on the GPU, not on the host
+            image.record_stream(current)  # its memory is not reused before the step is done with it
+        return image
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -160,18 +179,11 @@ class HostStore(_Base):
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
         super().__init__(views, device, per_step)
         self.host = list(_decode_each(views, decoded_pixels, pin=self.cuda))  # not undistorted yet
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.inflight: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.missed = 0  # gets whose copy had not been started ahead
 
     def _start(self, idx: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if self.stream is None:
-            return self._finish(idx, self.host[idx]), None
-        with torch.cuda.stream(self.stream):  # the copy and the undistortion, beside the step
-            image = self._finish(idx, self.host[idx].to(self.device, non_blocking=True))
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return image, done
+        return self._upload(idx, self.host[idx])
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
         for idx in upcoming[: self.lookahead]:
@@ -188,12 +200,7 @@ class HostStore(_Base):
         if entry is None:
             self.missed += 1
             entry = self._start(idx)
-        image, done = entry
-        if done is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(done)  # the step waits for its copy on the GPU, not on the host
-            image.record_stream(current)  # its memory is not reused before the step is done with it
-        return self.recent.add(idx, image)
+        return self.recent.add(idx, self._ready(*entry))
 
     def close(self) -> None:
         super().close()
@@ -212,6 +219,9 @@ class DiskStore(_Base):
         self.depth = self.lookahead = max(depth, self.per_step)
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="gstrain-decode")
         self.pending: OrderedDict[int, Future[torch.Tensor]] = OrderedDict()
+        # on CUDA, the next step's images once decoded: copied and undistorted on the side stream
+        # while this step runs (the step's stream only waits for them)
+        self.staged: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.gets = 0
         self.waits = 0  # gets that found their image not decoded yet
         self.waited_s = 0.0
@@ -226,17 +236,30 @@ class DiskStore(_Base):
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
         for idx in upcoming[: self.depth]:
-            if idx not in self.pending and self.recent.find(idx) is None:
+            if idx not in self.pending and idx not in self.staged and self.recent.find(idx) is None:
                 self.pending[idx] = self.pool.submit(self._decode, idx)
         while len(self.pending) > 2 * self.depth:  # decodes the sampler no longer wants (a resume)
             _idx, stale = self.pending.popitem(last=False)
             stale.cancel()
+        if self.stream is None:
+            return
+        for idx in upcoming[: self.per_step]:
+            future = self.pending.get(idx)
+            if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+                continue  # not decoded yet (get waits for it) or failed (get raises its error)
+            del self.pending[idx]
+            self.staged[idx] = self._upload(idx, future.result())
+        while len(self.staged) > 2 * self.per_step:  # images the sampler no longer wants (a resume)
+            self.staged.popitem(last=False)
 
     def get(self, idx: int) -> torch.Tensor:
         again = self.recent.find(idx)
         if again is not None:
             return again
         self.gets += 1
+        staged = self.staged.pop(idx, None)
+        if staged is not None:
+            return self.recent.add(idx, self._ready(*staged))
         future = self.pending.pop(idx, None)
         start = time.perf_counter()
         if future is None:
@@ -251,7 +274,7 @@ class DiskStore(_Base):
             self.waited_s += waited
             self.longest_s = max(self.longest_s, waited)
         if self.cuda:
-            image = self._finish(idx, image.to(self.device, non_blocking=True))
+            image = self._ready(*self._upload(idx, image))
         return self.recent.add(idx, image)
 
     def note(self) -> str | None:
@@ -266,6 +289,7 @@ class DiskStore(_Base):
         for future in self.pending.values():
             future.cancel()
         self.pending.clear()
+        self.staged.clear()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
