@@ -76,3 +76,13 @@ def test_disk_stages_the_next_decoded_image_beside_the_step(distorted_scene: Pat
     assert torch.equal(store.get(2), resident.get(2)) and store.waits == 0 and not store.staged
     assert torch.equal(store.get(4), resident.get(4)) and store.waits == 0  # decoded, not staged: no wait
     store.close()
+
+
+def test_pinned_maps_keep_values_and_sharing() -> None:
+    first, second = (build_map(_camera(m), pycolmap.undistort_camera(pycolmap.UndistortCameraOptions(), _camera(m)))
+                     for m in ("OPENCV", "OPENCV_FISHEYE"))
+    out = pin_maps([first, None, first, second])
+    assert out[1] is None and out[0] is out[2] and out[0] is not None and out[3] is not None
+    for original, pinned in ((first, out[0]), (second, out[3])):
+        assert pinned.grid.is_pinned() and torch.equal(pinned.grid, original.grid)
+        assert (pinned.size, pinned.source, pinned.inside) == (original.size, original.source, original.inside)

@@ -5,7 +5,7 @@ from pycolmap's own camera functions (the pinhole's cam_from_img, the distorted 
 img_from_cam), evaluated once per camera at load time on a coarse grid (UndistortMap). Torch only
 resamples: at use, the coarse map is upsampled bilinearly to full size and the image is sampled
 bilinearly, so the per-image work is a few kernels on the GPU (or torch on the CPU) instead of
-pycolmap.undistort_image, which holds the GIL for ~60 ms per 720x1280 photo.
+pycolmap.undistort_image's ~50-70 ms of a CPU core per 720x1280 photo.
 
 The result follows pycolmap.undistort_image (COLMAP's WarpImageBetweenCameras): the top-left pixel
 centre is (0.5, 0.5); a pixel whose source point does not have all four bilinear neighbours inside
@@ -140,18 +140,16 @@ def remap(image: torch.Tensor, undistort: UndistortMap) -> torch.Tensor:
 
 def pin_maps(maps: list[UndistortMap | None]) -> list[UndistortMap | None]:
     """The maps with their grids in one block of pinned host memory, so that remap's copy to a
-    CUDA device is asynchronous (a copy from pageable memory may wait for the stream)."""
-    present = [m for m in maps if m is not None]
-    if not present:
+    CUDA device is asynchronous (a copy from pageable memory may wait for the stream). Views that
+    share a map (one camera) share its pinned copy."""
+    distinct = list({id(m): m for m in maps if m is not None}.values())
+    if not distinct:
         return maps
-    block = torch.cat([m.grid.reshape(-1) for m in present]).pin_memory()
-    out: list[UndistortMap | None] = []
+    block = torch.cat([m.grid.reshape(-1) for m in distinct]).pin_memory()
+    pinned: dict[int, UndistortMap] = {}
     offset = 0
-    for m in maps:
-        if m is None:
-            out.append(None)
-            continue
+    for m in distinct:
         count = m.grid.numel()
-        out.append(UndistortMap(block[offset : offset + count].view(m.grid.shape), m.size, m.source, m.inside))
+        pinned[id(m)] = UndistortMap(block[offset : offset + count].view(m.grid.shape), m.size, m.source, m.inside)
         offset += count
-    return out
+    return [None if m is None else pinned[id(m)] for m in maps]
