@@ -34,11 +34,12 @@ class FitRequest:
 def _load_scene(scene: Path, cfg: Any, log: Log) -> Any:
     from gstrain.data.image_store import scene_is_lazy
     from gstrain.data.inputs import load_scene
+    from gstrain.render import resolve_device
     messages: list[str] = []  # held back so that bad input still ends with exactly one line
     try:
         loaded = load_scene(scene, factor=cfg.data.factor, test_every=cfg.data.test_every, log=messages.append,
                             background=cfg.data.background, max_side=cfg.data.max_side,
-                            lazy=scene_is_lazy(cfg.data.images_on))
+                            lazy=scene_is_lazy(cfg.data.images_on, resolve_device(cfg.train.device)))
     except KeyboardInterrupt:
         log("gstrain: interrupted while loading the scene; nothing was written")
         raise

@@ -14,6 +14,11 @@ disk: nothing decoded at start-up (a lazy scene: gstrain/data/images.py); a smal
       decoded yet waits for it, and the store counts how often and how long ("data-bound").
 auto: the first of gpu, host, disk that the images fit in (choose_images_on), said in one line.
 
+A lazy view of a distorted camera is decoded as it is in the file (resized, still distorted) and
+undistorted on the training device by its map (data/undistort.py): gpu after the copy at start-up,
+host and disk after each copy, by the same kernels, so every store gives the same bytes on a device.
+Host memory and the disk queue hold the distorted decodes (their own size: decoded_shape).
+
 get() of the index the last few get() calls returned gives the same tensor again (a step reads
 its target again for the train PSNR), without a second copy or decode.
 """
@@ -30,16 +35,16 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from gstrain.choices import IMAGES_ON
-from gstrain.data.images import LazyView, view_shape
+from gstrain.data.images import LazyView, decoded_pixels, view_map, view_shape
+from gstrain.data.images_on import DEVICE_SHARE as DEVICE_SHARE  # re-exported: the stores' callers read them here
+from gstrain.data.images_on import HOST_SHARE as HOST_SHARE
+from gstrain.data.images_on import check_images_on as check_images_on
+from gstrain.data.images_on import choose_images_on as choose_images_on
+from gstrain.data.images_on import resolve_images_on
+from gstrain.data.images_on import scene_is_lazy as scene_is_lazy
 from gstrain.data.scene import View
-from gstrain.errors import UserError
+from gstrain.data.undistort import UndistortMap, pin_maps, remap
 
-# auto keeps the images on the device when they take at most this share of its free memory: the
-# rest is the Gaussians' (parameters, gradients, Adam moments, per-step buffers) to grow into.
-DEVICE_SHARE = 0.25
-# auto keeps decoded images in host memory when they take at most this share of what is available.
-HOST_SHARE = 0.5
 # Decode threads follow the machine's cores (PIL decodes and resizes without the GIL): a 1080p JPEG
 # takes a thread about 38 ms (eight decoded 210 a second on the H200 machine's 16 cores), so four
 # threads could not keep up with a 13 ms step
@@ -47,53 +52,6 @@ _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
 DISK_WORKERS = max(4, min(16, _CORES - 2))  # images_on=disk; two cores stay with the loop and the copies
 DISK_DEPTH = 2 * DISK_WORKERS  # images decoded ahead at most (bounded: the queue's memory is DISK_DEPTH images)
 START_WORKERS = max(4, min(32, _CORES))  # decode threads at start-up (gpu, host)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def choose_images_on(image_bytes: int, device_free: int | None, host_available: int) -> tuple[str, str]:
-    """auto's pick for `image_bytes` of decoded images, and the one line that says why.
-
-    device_free: free bytes on the CUDA device (None when training on the CPU, where the device
-    memory is the host's and "gpu" means resident in it)."""
-    if device_free is None:
-        if image_bytes <= HOST_SHARE * host_available:
-            return "gpu", (f"data.images_on=auto: images resident ({_gib(image_bytes)} decoded, "
-                           f"{_gib(host_available)} of memory available; training on the CPU)")
-        return "disk", (f"data.images_on=auto: disk ({_gib(image_bytes)} decoded is over {HOST_SHARE:.0%} "
-                        f"of the {_gib(host_available)} of memory available)")
-    if image_bytes <= DEVICE_SHARE * device_free:
-        return "gpu", (f"data.images_on=auto: gpu ({_gib(image_bytes)} decoded, at most {DEVICE_SHARE:.0%} "
-                       f"of the {_gib(device_free)} free on the GPU)")
-    if image_bytes <= HOST_SHARE * host_available:
-        return "host", (f"data.images_on=auto: host ({_gib(image_bytes)} decoded is over {DEVICE_SHARE:.0%} "
-                        f"of the {_gib(device_free)} free on the GPU; {_gib(host_available)} of host memory "
-                        "available)")
-    return "disk", (f"data.images_on=auto: disk ({_gib(image_bytes)} decoded is over {DEVICE_SHARE:.0%} of the "
-                    f"{_gib(device_free)} free on the GPU and {HOST_SHARE:.0%} of the {_gib(host_available)} "
-                    "of host memory available)")
-
-
-def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def device_free_bytes(device: torch.device) -> int | None:
-    """Free memory on a CUDA device (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
 
 
 class ImageStore(Protocol):
@@ -111,14 +69,20 @@ class ImageStore(Protocol):
 def decode_all(views: Sequence[View], pin: bool = False, workers: int = START_WORKERS) -> list[torch.Tensor]:
     """Every view's image ([H, W, 3] uint8, CPU), decoded in parallel (lazy views decode here);
     pin: into pinned memory, each as it is decoded (host memory never holds two copies of all)."""
+    return list(_decode_each(views, lambda view: view.image, pin, workers))
+
+
+def _decode_each(views: Sequence[View], read: Callable[[View], torch.Tensor], pin: bool = False,
+                 workers: int = START_WORKERS) -> Iterator[torch.Tensor]:
+    """read(view) for every view, in order, `workers` at a time (PIL decodes without the GIL)."""
     if not views:
-        return []
+        return
 
     def one(view: View) -> torch.Tensor:
-        return view.image.pin_memory() if pin else view.image
+        return read(view).pin_memory() if pin else read(view)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(views)))) as pool:
-        return list(pool.map(one, views))
+        yield from pool.map(one, views)
 
 
 class _Recent:
@@ -149,6 +113,33 @@ class _Base:
         self.lookahead = self.per_step  # one step ahead
         self.recent = _Recent(self.per_step)
         self.cuda = device.type == "cuda"
+        # each view's undistortion (None: decoded_pixels is its image); pinned on CUDA for async copies
+        maps = [view_map(v) for v in views]
+        self.maps: list[UndistortMap | None] = pin_maps(maps) if self.cuda else maps
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # copies beside the step
+
+    def _finish(self, idx: int, decoded: torch.Tensor) -> torch.Tensor:
+        """decoded_pixels of view idx, already on its device, as the view's image there."""
+        undistort = self.maps[idx]
+        return decoded if undistort is None else remap(decoded, undistort)
+
+    def _upload(self, idx: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """View idx's image from its decoded_pixels (pinned on CUDA): copied and undistorted on the
+        side stream, with the event the step waits for (_ready); on the CPU, undistorted here."""
+        if self.stream is None:
+            return self._finish(idx, decoded), None
+        with torch.cuda.stream(self.stream):
+            image = self._finish(idx, decoded.to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return image, done
+
+    def _ready(self, image: torch.Tensor, done: torch.cuda.Event | None) -> torch.Tensor:
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)  # the step waits for its copy on the GPU, not on the host
+            image.record_stream(current)  # its memory is not reused before the step is done with it
+        return image
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -170,7 +161,8 @@ class ResidentStore(_Base):
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
         super().__init__(views, device, per_step)
-        self.images = [image.to(device) for image in decode_all(views)]
+        self.images = [self._finish(idx, image.to(device))
+                       for idx, image in enumerate(_decode_each(views, decoded_pixels))]
 
     def get(self, idx: int) -> torch.Tensor:
         return self.images[idx]
@@ -186,19 +178,12 @@ class HostStore(_Base):
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
         super().__init__(views, device, per_step)
-        self.host = decode_all(views, pin=self.cuda)
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.host = list(_decode_each(views, decoded_pixels, pin=self.cuda))  # not undistorted yet
         self.inflight: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.missed = 0  # gets whose copy had not been started ahead
 
     def _start(self, idx: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if self.stream is None:
-            return self.host[idx], None
-        with torch.cuda.stream(self.stream):
-            image = self.host[idx].to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return image, done
+        return self._upload(idx, self.host[idx])
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
         for idx in upcoming[: self.lookahead]:
@@ -215,12 +200,7 @@ class HostStore(_Base):
         if entry is None:
             self.missed += 1
             entry = self._start(idx)
-        image, done = entry
-        if done is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(done)  # the step waits for its copy on the GPU, not on the host
-            image.record_stream(current)  # its memory is not reused before the step is done with it
-        return self.recent.add(idx, image)
+        return self.recent.add(idx, self._ready(*entry))
 
     def close(self) -> None:
         super().close()
@@ -239,29 +219,47 @@ class DiskStore(_Base):
         self.depth = self.lookahead = max(depth, self.per_step)
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="gstrain-decode")
         self.pending: OrderedDict[int, Future[torch.Tensor]] = OrderedDict()
+        # on CUDA, the next step's images once decoded: copied and undistorted on the side stream
+        # while this step runs (the step's stream only waits for them)
+        self.staged: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.gets = 0
         self.waits = 0  # gets that found their image not decoded yet
         self.waited_s = 0.0
         self.longest_s = 0.0
 
     def _decode(self, idx: int) -> torch.Tensor:
-        image = self.views[idx].image
+        image = decoded_pixels(self.views[idx])
+        if not self.cuda:  # the device is this CPU: undistorted here, in the worker (torch frees the GIL)
+            return self._finish(idx, image)
         # pinned, the copy to the device is asynchronous; torch keeps the block until it has run
-        return image.pin_memory() if self.cuda else image
+        return image.pin_memory()
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
         for idx in upcoming[: self.depth]:
-            if idx not in self.pending and self.recent.find(idx) is None:
+            if idx not in self.pending and idx not in self.staged and self.recent.find(idx) is None:
                 self.pending[idx] = self.pool.submit(self._decode, idx)
         while len(self.pending) > 2 * self.depth:  # decodes the sampler no longer wants (a resume)
             _idx, stale = self.pending.popitem(last=False)
             stale.cancel()
+        if self.stream is None:
+            return
+        for idx in upcoming[: self.per_step]:
+            future = self.pending.get(idx)
+            if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+                continue  # not decoded yet (get waits for it) or failed (get raises its error)
+            del self.pending[idx]
+            self.staged[idx] = self._upload(idx, future.result())
+        while len(self.staged) > 2 * self.per_step:  # images the sampler no longer wants (a resume)
+            self.staged.popitem(last=False)
 
     def get(self, idx: int) -> torch.Tensor:
         again = self.recent.find(idx)
         if again is not None:
             return again
         self.gets += 1
+        staged = self.staged.pop(idx, None)
+        if staged is not None:
+            return self.recent.add(idx, self._ready(*staged))
         future = self.pending.pop(idx, None)
         start = time.perf_counter()
         if future is None:
@@ -276,7 +274,7 @@ class DiskStore(_Base):
             self.waited_s += waited
             self.longest_s = max(self.longest_s, waited)
         if self.cuda:
-            image = image.to(self.device, non_blocking=True)
+            image = self._ready(*self._upload(idx, image))
         return self.recent.add(idx, image)
 
     def note(self) -> str | None:
@@ -291,38 +289,8 @@ class DiskStore(_Base):
         for future in self.pending.values():
             future.cancel()
         self.pending.clear()
+        self.staged.clear()
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def check_images_on(value: str) -> None:
-    """UserError (one line, exit 2) unless `value` is one of choices.IMAGES_ON."""
-    if value not in IMAGES_ON:
-        raise UserError(f"data.images_on must be one of {', '.join(IMAGES_ON)}; got '{value}'")
-
-
-def scene_is_lazy(images_on: str) -> bool:
-    """Whether to load the scene lazily (headers only): all but gpu, which decodes every image at
-    start-up anyway (auto decides once the sizes are known, and decodes then if it keeps them)."""
-    check_images_on(images_on)
-    return images_on != "gpu"
-
-
-def resolve_images_on(
-    views: Sequence[View], images_on: str, device: torch.device, log: Callable[[str], None] = print,
-    device_free: int | None = None, host_available: int | None = None,
-) -> str:
-    """gpu, host or disk for data.images_on: auto picks by the decoded sizes and says so in one
-    line. device_free / host_available: the sizes auto weighs (measured when None)."""
-    check_images_on(images_on)
-    if images_on != "auto":
-        return images_on
-    image_bytes = sum(h * w * c for h, w, c in (view_shape(v) for v in views))
-    if device_free is None:
-        device_free = device_free_bytes(device)
-    where, line = choose_images_on(image_bytes, device_free,
-                                   host_available if host_available is not None else host_available_bytes())
-    log(f"gstrain: {line}")
-    return where
 
 
 def build_image_store(

@@ -3,15 +3,18 @@
 Shared by every input format (data/colmap.py, data/transforms.py): a format says which file, which
 pycolmap camera (any model pycolmap can undistort) and which world-to-camera pose; this module does
 the pixels the same way for all of them. A view's header says what it needs (an ImageRecipe: size,
-resize, undistortion; cheap); the decode is ImageRecipe.pixels. A lazy scene (data.images_on = host
-| disk) keeps LazyViews and decodes in the image store (data/image_store.py), so start-up reads
-headers only. data.max_side caps the longer side after the factor, said in one note.
+resize, undistortion map; cheap); the pixels are ImageRecipe.decoded (decode and resize, no GIL)
+then ImageRecipe.undistorted (a remap in torch on the device the pixels are on: data/undistort.py).
+A lazy scene (data.images_on = host | disk, and gpu on CUDA) keeps LazyViews: the image store
+(data/image_store.py) decodes them and undistorts on the training device, so start-up reads headers
+only. data.max_side caps the longer side after the factor, said in one note.
 """
 
 from __future__ import annotations
 
 import copy
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,7 @@ from PIL import Image
 
 from gstrain.data.masks import ALPHA_MODES, MaskReader
 from gstrain.data.scene import View
+from gstrain.data.undistort import UndistortMap, build_map, remap
 from gstrain.errors import UserError
 
 PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")
@@ -64,7 +68,11 @@ class ViewLoader:
         self.prescaled = prescaled
         self.composite_over = None if composite_over is None else np.asarray(composite_over, np.float64)
         self.camera_label = camera_label
-        self.options = pycolmap.UndistortCameraOptions()
+        self.options = pycolmap.UndistortCameraOptions()  # the pinhole's size and focal length
+        # (model, size, params) of a rescaled distorted camera -> (pinhole, map): views that share
+        # a camera (most captures) share one map, built once
+        self.undistortions: dict[tuple, tuple[pycolmap.Camera, UndistortMap]] = {}
+        self.undistortions_lock = threading.Lock()  # the loader's threads: one build per camera
         # name -> (file size, camera size) of images that did not match their camera
         self.size_mismatch: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
         self.alpha: list[str] = []  # images with an alpha channel (a mask, or composited)
@@ -133,14 +141,12 @@ class ViewLoader:
 
         camera_size = (cam.width, cam.height)
         distorted = cam.model_name not in PINHOLE_MODELS
+        undistort: UndistortMap | None = None
         if distorted:
             # Downscale first, then undistort with the rescaled camera: same result as the other order
             # within ~1/255 mean abs (checked on the beer scene), and factor^2 less undistortion work.
             cam.rescale(target[0], target[1])
-            try:
-                pin = pycolmap.undistort_camera(self.options, cam)
-            except Exception as exc:
-                raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
+            pin, undistort = self._undistortion(cam, file)
             K = pin.calibration_matrix()
             size = (int(pin.width), int(pin.height))
         else:
@@ -149,11 +155,10 @@ class ViewLoader:
             K[0, :] *= target[0] / cam.width
             K[1, :] *= target[1] / cam.height
             size = target
-        recipe = ImageRecipe(file, target, size, cam if distorted else None, self.composite_over)
+        recipe = ImageRecipe(file, target, size, undistort, self.composite_over)
 
         # masks: same resize and undistortion as the image (data/masks.py)
-        mask = self.masks.load(source.mask_name or source.name, file, (w, h), camera_size, target,
-                               cam if distorted else None)
+        mask = self.masks.load(source.mask_name or source.name, file, (w, h), camera_size, target, undistort)
         viewmat = np.eye(4)
         viewmat[:3, :] = source.cam_from_world
         K_t = torch.from_numpy(K.astype(np.float32))
@@ -164,6 +169,20 @@ class ViewLoader:
         else:
             view = View(name=source.name, image=recipe.pixels(), K=K_t, viewmat=viewmat_t, mask=mask)
         return view, (source.camera.model_name if distorted else None)
+
+
+    def _undistortion(self, cam: pycolmap.Camera, file: Path) -> tuple[pycolmap.Camera, UndistortMap]:
+        """The pinhole pycolmap undistorts `cam` (rescaled to the decoded size) to, and the map."""
+        key = (cam.model_name, cam.width, cam.height, tuple(float(p) for p in cam.params))
+        with self.undistortions_lock:  # ~2 ms a camera, mostly under the GIL anyway
+            found = self.undistortions.get(key)
+            if found is None:
+                try:
+                    pin = pycolmap.undistort_camera(self.options, cam)
+                    found = self.undistortions[key] = (pin, build_map(cam, pin))
+                except Exception as exc:
+                    raise UserError(f"cannot undistort {file} ({cam.model_name}): {exc}") from None
+        return found
 
 
 def file_mode(img: Image.Image) -> str:
@@ -198,40 +217,44 @@ def fit_max_side(size: tuple[int, int], max_side: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class ImageRecipe:
     """How to make one view's pixels: decode `file` (compositing alpha over `composite_over` when
-    set), resize to `target` (area averaging), then undistort with `camera` (the distorted camera
-    rescaled to `target`; None for pinhole ones). `size` is the result's (width, height), known
-    without decoding."""
+    set), resize to `target` (area averaging), then undistort through `undistort` (None for pinhole
+    cameras). `size` is the result's (width, height), known without decoding."""
 
     file: Path
     target: tuple[int, int]
     size: tuple[int, int]
-    camera: pycolmap.Camera | None = field(default=None, compare=False)
+    undistort: UndistortMap | None = field(default=None, compare=False)
     composite_over: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
-        """Decoded uint8 RGB bytes."""
+        """The view's uint8 RGB bytes (undistorted)."""
         return self.size[0] * self.size[1] * 3
 
-    def pixels(self) -> torch.Tensor:
-        """[H, W, 3] uint8 on the CPU. Safe to call from several threads."""
+    @property
+    def decoded_nbytes(self) -> int:
+        """uint8 RGB bytes of decoded(): before undistortion, at `target`."""
+        return self.target[0] * self.target[1] * 3
+
+    def decoded(self) -> torch.Tensor:
+        """[h, w, 3] uint8 on the CPU at `target`, not undistorted yet. Safe to call from several
+        threads; PIL decodes and resizes without the GIL."""
         pil, _ = decode(self.file, self.composite_over)
         if pil.size != self.target:
             # Area averaging (BOX) is the antialiased downscale; K follows the actual size ratio.
             pil = pil.resize(self.target, Image.Resampling.BOX)
-        pixels = np.asarray(pil)
-        if self.camera is not None:
-            options = pycolmap.UndistortCameraOptions()
-            try:
-                out, pin = pycolmap.undistort_image(options, pycolmap.Bitmap.from_array(pixels), self.camera)
-            except Exception as exc:
-                raise UserError(f"cannot undistort {self.file} ({self.camera.model_name}): {exc}") from None
-            pixels = np.ascontiguousarray(out.to_array()).reshape(pin.height, pin.width, -1)
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
-        if pixels.shape[2] == 1:
-            pixels = np.repeat(pixels, 3, axis=2)
-        return torch.from_numpy(np.array(pixels[:, :, :3], dtype=np.uint8, order="C"))
+        pixels = np.asarray(pil)  # decode() gives RGB
+        return torch.from_numpy(np.array(pixels, dtype=np.uint8, order="C"))
+
+    def undistorted(self, pixels: torch.Tensor) -> torch.Tensor:
+        """decoded()'s pixels as the view's [H, W, 3] uint8 image, on their own device (the same
+        kernels on every device, so a store that copies first gives what one that copies after does
+        on the CPU, and every store on one device gives the same bytes)."""
+        return pixels if self.undistort is None else remap(pixels, self.undistort)
+
+    def pixels(self) -> torch.Tensor:
+        """[H, W, 3] uint8 on the CPU. Safe to call from several threads."""
+        return self.undistorted(self.decoded())
 
 
 class LazyView(View):
@@ -271,6 +294,24 @@ class LazyView(View):
 def view_shape(view: View) -> tuple[int, int, int]:
     """(H, W, 3) of a view's image, without decoding a lazy one."""
     return view.height, view.width, 3
+
+
+def decoded_shape(view: View) -> tuple[int, int, int]:
+    """(h, w, 3) of what decoded_pixels gives: a lazy view's decode before undistortion."""
+    if isinstance(view, LazyView):
+        return view.recipe.target[1], view.recipe.target[0], 3
+    return view_shape(view)
+
+
+def decoded_pixels(view: View) -> torch.Tensor:
+    """What an image store keeps or copies for a view ([h, w, 3] uint8, CPU): a lazy view's decode,
+    not undistorted yet (view_map undistorts it on the training device); any other view's image."""
+    return view.recipe.decoded() if isinstance(view, LazyView) else view.image
+
+
+def view_map(view: View) -> UndistortMap | None:
+    """The map that turns decoded_pixels into the view's image; None: they are its image."""
+    return view.recipe.undistort if isinstance(view, LazyView) else None
 
 
 def decode(file: Path, composite_over: np.ndarray | None = None) -> tuple[Image.Image, str]:

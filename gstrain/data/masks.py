@@ -5,8 +5,10 @@ the images come from images_<factor>/ and it has the file), else from the image'
 channel. White (>= 0.5) keeps a pixel, black ignores it; grey is thresholded at 0.5, so a mask
 is binary: the masked loss and metrics need a count of kept pixels, and a soft edge of a few
 pixels is not worth a second meaning. Masks follow the image through the downscale (area
-averaging, then the threshold) and the undistortion (pycolmap's bilinear resampling of the mask
-as a grey bitmap, then the threshold; pixels outside the distorted frame become "ignore").
+averaging, then the threshold) and the undistortion (the image's own remap, data/undistort.py, of
+the mask as a grey channel, then the threshold; pixels outside the distorted frame become "ignore"):
+the same source points as the image's pixels, and no pycolmap call holding the GIL per view while
+the scene loads.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pycolmap
 import torch
 from PIL import Image
 
 from gstrain.data.scene import View
+from gstrain.data.undistort import UndistortMap, remap
 from gstrain.errors import UserError
 
 # PIL modes that carry an alpha channel (colmap.py reads the same list)
@@ -32,7 +34,6 @@ class MaskReader:
         self.alpha_masks = alpha_masks  # False where alpha was composited away (data/images.py)
         self.dirs = [d for d in _mask_dirs(root, image_dir) if d.is_dir()]
         self.index = [_index(d) for d in self.dirs]
-        self.options = pycolmap.UndistortCameraOptions()
 
     def find(self, name: str) -> Path | None:
         """masks/<name without its suffix>.* (or masks/<name>.*); the first mask folder that has one."""
@@ -51,12 +52,12 @@ class MaskReader:
         raw_size: tuple[int, int],
         camera_size: tuple[int, int],
         target: tuple[int, int],
-        distorted_camera: pycolmap.Camera | None,
+        undistort: UndistortMap | None,
     ) -> torch.Tensor | None:
         """[H, W] bool (True = keep) at the view's final resolution, or None when the image has no mask.
 
         raw_size: the image file's size; camera_size: its COLMAP camera's; target: the size the image
-        was resized to; distorted_camera: the rescaled camera when the image is undistorted.
+        was resized to; undistort: the image's undistortion map when it is undistorted.
         """
         file = self.find(name)
         if file is not None:
@@ -67,11 +68,10 @@ class MaskReader:
                 return None
         if weight.shape[::-1] != target:
             weight = np.asarray(Image.fromarray(weight, mode="F").resize(target, Image.Resampling.BOX))
-        if distorted_camera is not None:
+        if undistort is not None:
             grey = np.clip(weight * 255.0 + 0.5, 0, 255).astype(np.uint8)
-            # pycolmap resamples a 1-channel bitmap bilinearly, as it does the image's channels
-            out, pin = pycolmap.undistort_image(self.options, pycolmap.Bitmap.from_array(grey), distorted_camera)
-            weight = np.asarray(out.to_array()).reshape(pin.height, pin.width).astype(np.float32) / 255.0
+            # resampled bilinearly as one more channel of the image, then the threshold (0.5 of 255)
+            return remap(torch.from_numpy(grey[:, :, None]), undistort)[:, :, 0] >= 128
         return torch.from_numpy(np.ascontiguousarray(weight >= 0.5))
 
 
