@@ -23,11 +23,13 @@ OLD_PLACES = {
     ("render", "atomic_threshold"): ("atomic_threshold", 5), ("log", "time_every"): ("time_every", 7),
     ("dist", "always"): ("always_distributed", True),
 }  # fmt: skip
+# dev keys that never lived anywhere else, with their defaults
+NEW_KEYS = {"adam_in_backward": True}
 
 
 def test_the_dev_keys_left_the_user_sections():
     defaults = Config().to_dict()
-    assert sorted(defaults["dev"]) == sorted(new for new, _ in OLD_PLACES.values())
+    assert sorted(defaults["dev"]) == sorted([new for new, _ in OLD_PLACES.values()] + list(NEW_KEYS))
     for section, key in OLD_PLACES:
         assert key not in defaults[section], f"{section}.{key}"
     for new, value in OLD_PLACES.values():
@@ -53,7 +55,7 @@ def test_default_yaml_shows_only_the_users_keys():
         assert key not in shipped.get(section, {}), f"{section}.{key}"
     # ... and lists the dev keys in its closing comment, each with its default
     text = (REPO / "configs" / "default.yaml").read_text()
-    for new, _ in OLD_PLACES.values():
+    for new in [new for new, _ in OLD_PLACES.values()] + list(NEW_KEYS):
         default = getattr(DevConfig(), new)
         assert f"#   {new}: {str(default).lower()}" in text, new
 
@@ -75,7 +77,7 @@ def test_an_old_runs_config_yaml_loads_into_dev_silently(tmp_path, capsys):
     create_run_dir(run, tmp_path, Config())
     (run / "config.yaml").write_text(yaml.safe_dump(_old_run_config(), sort_keys=False))
     loaded, _ = load_run(run)
-    assert dataclasses.asdict(loaded.dev) == {new: value for new, value in OLD_PLACES.values()}
+    assert dataclasses.asdict(loaded.dev) == {**{new: value for new, value in OLD_PLACES.values()}, **NEW_KEYS}
     assert capsys.readouterr().err == ""  # the run wrote those keys itself: nothing to tell
     # saved again, it is the new layout
     assert config_from_dict(loaded.to_dict()).to_dict() == loaded.to_dict()
