@@ -12,8 +12,9 @@ step's result is the plain step's: tests/test_backward_adam.py (CPU) and
 tests/test_backward_adam_cuda.py compare them.
 
 When: a step of one view (one SH backward a step) on the engines that call StepRunner.run (not
-the sharded step), with fused Adam on a GPU, through our fused SH colours there; nothing else may
-give shN a gradient (StepRunner checks it after the backward).
+the sharded step): on a GPU with our fused Adam and fused SH colours, on the CPU with the
+reference renderer (train/step.py steps_shn_in_backward); nothing else may give shN a gradient
+(StepRunner checks it after the backward).
 """
 
 from __future__ import annotations

@@ -171,12 +171,14 @@ class StepRunner:
 
     def steps_shn_in_backward(self, params: Any, n_views: int) -> bool:
         """Whether this step's backward steps shN (dev.adam_in_backward, train/backward_adam.py):
-        one view, and either our fused SH colours with fused Adam (slices) or autograd SH colours
-        with the plain optimizer step (the whole gradient)."""
+        one view, and either our fused SH colours with fused Adam on a GPU (slices) or the CPU
+        reference renderer with torch's Adam (the whole gradient; torch's fused CUDA Adam wants
+        the gradients autograd accumulates, so a GPU without our fused Adam keeps the plain step)."""
         if self.shn_in_backward is None or n_views != 1 or KEY not in params:
             return False
-        fused_sh = self.renderer.backend == "cuda" and self.renderer.options.fused_sh
-        return fused_sh == (self.fused_adam is not None)
+        if self.fused_adam is not None:
+            return self.renderer.backend == "cuda" and self.renderer.options.fused_sh
+        return self.renderer.backend == "reference"
 
     def view_loss(self, image: Tensor, view: StepView, background: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """One view's photometric loss and its terms: on a canvas the fused loss over the valid
