@@ -66,7 +66,7 @@ def load_scene(
     _check_factor(rec, images, factor)
     image_dir, from_small_dir = _pick_image_dir(root, [im.name for im in images], factor, notes, say)
 
-    # pycolmap's undistortion holds the GIL; PIL decoding and resizing do not, so threads still help.
+    # PIL decodes and resizes without the GIL, so loading on threads scales with the cores
     workers = max(1, min(8, os.cpu_count() or 1))
     masks = MaskReader(root, image_dir)
     loader = ViewLoader(factor, from_small_dir, masks, max_side=max_side, lazy=lazy)

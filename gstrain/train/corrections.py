@@ -58,25 +58,6 @@ class ViewCorrection(Protocol):
         not 0) or ends (None)."""
 
 
-class EagerOnly:
-    """The graph half of ViewCorrection for a correction no CUDA graph may capture (graphs_possible
-    refuses graphs while one is on the step, so these are never called)."""
-
-    graph_safe = False
-
-    def graph_key(self, step: int) -> Hashable:
-        raise RuntimeError(f"{type(self).__name__} is not graph-safe")
-
-    def advance(self, step: int) -> None:
-        raise RuntimeError(f"{type(self).__name__} is not graph-safe")
-
-    def rewind(self, steps: Sequence[int]) -> None:
-        raise RuntimeError(f"{type(self).__name__} is not graph-safe")
-
-    def set_skip_flag(self, flag: Tensor | None) -> None:
-        raise RuntimeError(f"{type(self).__name__} is not graph-safe")
-
-
 def is_training_view(view: Any) -> bool:
     """Whether a step's view is a training view's: its index on the host, or (a captured step) on the device."""
     return view.index is not None or getattr(view, "slot", None) is not None
