@@ -99,6 +99,8 @@ def validate(cfg: Config) -> Config:
     for key in ("refine_every", "reset_every"):
         if getattr(cfg.strategy, key) < 1:
             raise UserError(f"strategy.{key} must be >= 1; got {getattr(cfg.strategy, key)}")
+    if cfg.dev.decode_switch_ms != 0 and not 0.01 <= cfg.dev.decode_switch_ms <= 100:
+        raise UserError(f"dev.decode_switch_ms must be 0 (Python's own) or 0.01..100; got {cfg.dev.decode_switch_ms}")
     if cfg.dev.time_every < 1:
         raise UserError(f"dev.time_every must be >= 1; got {cfg.dev.time_every}")
     if not 0.0 <= cfg.train.ssim_lambda <= 1.0:

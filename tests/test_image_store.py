@@ -295,7 +295,9 @@ def test_max_side_downscales_with_one_note(tmp_path: Path) -> None:
     ("override", "needle"),
     [("data.images_on=ssd", "data.images_on must be one of auto, gpu, host, disk"),
      ("data.max_side=-1", "data.max_side must be >= 0"),
-     ("train.max_memory_gib=-2", "train.max_memory_gib must be")],
+     ("train.max_memory_gib=-2", "train.max_memory_gib must be"),
+     ("dev.decode_switch_ms=0.001", "dev.decode_switch_ms must be 0"),
+     ("dev.decode_switch_ms=-1", "dev.decode_switch_ms must be 0")],
 )
 def test_bad_values_are_one_line(override: str, needle: str) -> None:
     section, rest = override.split(".", 1)
@@ -416,3 +418,19 @@ def test_scoring_pass_decodes_a_bounded_distance_ahead() -> None:
     assert [int(v.name[1:]) for v in views] == list(range(10))
     assert all(torch.equal(a, r.source.pixels) for a, r in zip([*first, *rest], recipes, strict=True))
     assert sorted(log) == list(range(10))
+
+
+def test_disk_store_sets_the_switch_interval_while_it_runs_and_restores_it() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    log: list[int] = []
+    store = build_image_store([LoggedView(i, log) for i in range(3)], "disk", CPU, log=lambda m: None, switch_ms=0.5)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        store.close()
+    assert sys.getswitchinterval() == before
+    plain = build_image_store([LoggedView(i, log) for i in range(3)], "disk", CPU, log=lambda m: None)
+    assert sys.getswitchinterval() == before  # 0: Python's own, untouched
+    plain.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -213,9 +214,16 @@ class DiskStore(_Base):
     where = "disk"
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1,
-                 workers: int = DISK_WORKERS, depth: int = DISK_DEPTH) -> None:
+                 workers: int = DISK_WORKERS, depth: int = DISK_DEPTH, switch_ms: float = 0.0) -> None:  # fmt: skip
         super().__init__(views, device, per_step)
         self.views = list(views)
+        # dev.decode_switch_ms: the interpreter's GIL switch interval while this store runs (the
+        # decode threads take the GIL several times an image, and a training thread running Python
+        # hands it over only every interval: bench/decode_contention.py); None: left as it was
+        self.switch_restore: float | None = None
+        if switch_ms > 0:
+            self.switch_restore = sys.getswitchinterval()
+            sys.setswitchinterval(switch_ms / 1000.0)
         self.depth = self.lookahead = max(depth, self.per_step)
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="gstrain-decode")
         self.pending: OrderedDict[int, Future[torch.Tensor]] = OrderedDict()
@@ -291,6 +299,9 @@ class DiskStore(_Base):
         self.pending.clear()
         self.staged.clear()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.switch_restore is not None:
+            sys.setswitchinterval(self.switch_restore)
+            self.switch_restore = None
 
 
 def build_image_store(
@@ -301,15 +312,16 @@ def build_image_store(
     per_step: int = 1,
     device_free: int | None = None,
     host_available: int | None = None,
+    switch_ms: float = 0.0,
 ) -> ImageStore:
     """The store for data.images_on (auto picks and says so in one line: resolve_images_on).
-    per_step: views a step draws (train.batch_size)."""
+    per_step: views a step draws (train.batch_size); switch_ms: dev.decode_switch_ms (disk only)."""
     where = resolve_images_on(views, images_on, device, log, device_free, host_available)
     if where == "gpu":
         return ResidentStore(views, device, per_step)
     if where == "host":
         return HostStore(views, device, per_step)
-    return DiskStore(views, device, per_step)
+    return DiskStore(views, device, per_step, switch_ms=switch_ms)
 
 
 def images_ahead(views: Sequence[View], workers: int = START_WORKERS) -> Iterator[torch.Tensor]:

@@ -73,7 +73,8 @@ class Trainer(RunReporting):
         # steps is data.images_on's (data/image_store.py): on the device, or fetched a step ahead.
         began = time.perf_counter()
         self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
-                                             per_step=cfg.train.batch_size, device_free=budget_free(cfg, device))
+                                             per_step=cfg.train.batch_size, device_free=budget_free(cfg, device),
+                                             switch_ms=cfg.dev.decode_switch_ms)  # fmt: skip
         if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
             scene.test = decoded(scene.test)
         self.setup_seconds["images"] = time.perf_counter() - began
