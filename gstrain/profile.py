@@ -40,6 +40,7 @@ SWITCHES = {
     "no ellipse cull": ("dev", "ellipse_cull", False),
     "gsplat SH": ("dev", "fused_sh", False),
     "no CUDA graphs": ("dev", "cuda_graphs", False),
+    "shN Adam after backward": ("dev", "adam_in_backward", False),
 }
 # Opt-in switches (off by default): profiled turned on over the configuration as given; off in the baseline.
 OPT_IN = {

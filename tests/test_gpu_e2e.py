@@ -113,7 +113,8 @@ def test_profile_switches_on_demo(demo_scene, tmp_path):
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["switches"] is True
     assert list(report["median_ms"]) == ["all on", "gsplat raster", "conv SSIM", "torch Adam", "gsplat stats",
-                                         "no ellipse cull", "gsplat SH", "no CUDA graphs", "+ sparse Adam",
+                                         "no ellipse cull", "gsplat SH", "no CUDA graphs", "shN Adam after backward",
+                                         "+ sparse Adam",
                                          "baseline"]
     for label, med in report["median_ms"].items():
         assert med["wall"] > 0 and med["host"] > 0 and med["loss"] > 0, label
