@@ -130,7 +130,10 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert {"data", "forward", "loss", "backward", "optimizer", "densify"} <= set(phases)
     assert all(v > 0 for v in phases.values())
     assert set(summary["host_ms_per_step"]) == set(phases)
-    assert summary["wall_ms_per_step"] >= sum(phases[k] for k in ("data", "forward", "loss", "backward"))
+    # the same unit and scale (a factor of 1,000 would be a unit slip): phases are means over the timed
+    # steps, wall over every step, so their order is not asserted
+    timed = sum(phases[k] for k in ("data", "forward", "loss", "backward"))
+    assert summary["wall_ms_per_step"] / 10 < timed < 10 * summary["wall_ms_per_step"]
     assert [s for s, _ in list_checkpoints(run)] == [100, 150]  # background writes, keep=2
 
     proc = run_cli("eval", run)
