@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-RING = 8  # host buffers for the scalars' copies: advance() may run this many replays ahead of the GPU
+from gstrain.train.device_feed import DeviceFeed
+
 NEG_STEP_SIZE, BC2_SQRT, PULL_RATE = range(3)  # the device scalars, in order
 
 
@@ -36,11 +37,8 @@ class CapturableAdam:
         self.optimizer = optimizer
         self.pull = float(pull)
         param = self.param
-        self.scalars = torch.zeros(3, device=param.device)
-        on_gpu = param.device.type == "cuda"
-        self._ring = torch.zeros((RING, 3), pin_memory=True) if on_gpu else None
-        self._copied: list[torch.cuda.Event | None] = [None] * RING
-        self._slot = 0
+        self.feed = DeviceFeed((3,), param.device)  # the scalars advance() sends (device_feed.py)
+        self.scalars = self.feed.value
         self.ensure_state()
 
     @property
@@ -85,26 +83,11 @@ class CapturableAdam:
         values[NEG_STEP_SIZE] = -(group["lr"] / bias_correction1)
         values[BC2_SQRT] = bias_correction2**0.5  # (torch's expression, bit for bit)
         values[PULL_RATE] = self.pull
-        self._send(torch.tensor(values, dtype=torch.float32))
+        self.feed.set(torch.tensor(values, dtype=torch.float32))
 
     def rewind(self, steps: int) -> None:
         """Take back `steps` of advance()'s counts (replays whose update was skipped)."""
         self.ensure_state()["step"].sub_(steps)
-
-    def _send(self, host: Tensor) -> None:
-        if self._ring is None:
-            self.scalars.copy_(host)
-            return
-        copied = self._copied[self._slot]
-        if copied is not None:
-            copied.synchronize()  # this slot's previous copy has been read: it may be refilled
-        buffer = self._ring[self._slot]
-        buffer.copy_(host)
-        self.scalars.copy_(buffer, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._slot] = event
-        self._slot = (self._slot + 1) % RING
 
     @torch.no_grad()
     def step(self, skip: Tensor, anchor: Tensor | None = None) -> None:

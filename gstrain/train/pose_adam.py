@@ -7,7 +7,7 @@ device: a captured step cannot read which views it rendered, nor their step coun
 (both are frozen at capture). So the rows a step rendered arrive as a device index (the eager
 step's host indices, or a graph step's StepView.slot), the step counts live on the device and
 advance where a row is rendered, and the step's rate is a device scalar the host refills before
-each replay (`RateFeed`). The update is computed for every row and kept only for the rendered
+each replay (train/device_feed.py). The update is computed for every row and kept only for the rendered
 ones (and nowhere while the skip flag of an overflowed graph step is set): per element the same
 operations as updating the rendered rows alone, so eager and graph steps agree bit for bit on
 the CPU.
@@ -22,34 +22,6 @@ from gstrain.train.pose_gauge import without_gauge
 
 BETAS = (0.9, 0.999)
 EPS = 1e-15
-RING = 8  # pinned host buffers for the rate's copies: the host may run this many replays ahead
-
-
-class RateFeed:
-    """A float32 device scalar the host sets before each graph replay (stream-ordered: a replay
-    reads the value set before it; the pinned buffer is not refilled before its copy has run)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.value = torch.zeros((), device=device)
-        on_gpu = device.type == "cuda"
-        self._ring = torch.zeros(RING, pin_memory=True) if on_gpu else None
-        self._copied: list[torch.cuda.Event | None] = [None] * RING
-        self._slot = 0
-
-    def set(self, rate: float) -> None:
-        if self._ring is None:
-            self.value.fill_(rate)
-            return
-        copied = self._copied[self._slot]
-        if copied is not None:
-            copied.synchronize()
-        buffer = self._ring[self._slot]
-        buffer.fill_(rate)
-        self.value.copy_(buffer, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._slot] = event
-        self._slot = (self._slot + 1) % RING
 
 
 @torch.no_grad()

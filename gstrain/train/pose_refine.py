@@ -48,7 +48,8 @@ from torch import Tensor
 from gstrain.data.scene import View
 from gstrain.errors import UserError
 from gstrain.train.corrections import saved_correction
-from gstrain.train.pose_adam import RateFeed, row_adam_step
+from gstrain.train.device_feed import DeviceFeed
+from gstrain.train.pose_adam import row_adam_step
 from gstrain.train.pose_gauge import gauge_basis
 
 STATE_KEY = "pose_refine"  # its name among the checkpoint's corrections (train/corrections.py)
@@ -136,7 +137,7 @@ class PoseRefiner:
         self.updates = torch.zeros(n_views, dtype=torch.int64, device=device)  # Adam steps per view
         self.lr, self.lr_final = float(cfg.optim.pose_lr), float(cfg.optim.pose_lr_final)
         self.start, self.steps = int(cfg.train.pose_refine_start), int(cfg.train.steps)
-        self.rate_feed = RateFeed(torch.device(device))  # a captured step's rate (advance)
+        self.rate_feed = DeviceFeed((), torch.device(device))  # a captured step's rate (advance)
         # the views this step rendered through a correction: host indices, or (a captured step) device ones
         self._rendered: list[int | Tensor] = []
         self._skip: Tensor | None = None  # the skip flag while a CUDA graph of the step is captured
