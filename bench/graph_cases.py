@@ -71,3 +71,34 @@ def eager_steps_on_the_canvas(monkeypatch: Any, canvas: tuple[int, int]) -> None
         return replace(result, image=result.image[:height, :width], target=views[0].gt)
 
     monkeypatch.setattr(StepRunner, "run", on_canvas)
+
+
+def graph_and_two_eager(scene: Scene, root: Path, steps: int, monkeypatch: Any, overflow: bool = False,
+                        **trainer: Any) -> tuple[Trainer, Trainer, Trainer, dict[str, list[float]]]:  # fmt: skip
+    """A graph run and two eager runs from the same start (graph_trainer's, with `trainer`'s keys),
+    `steps` steps each, and every step's exact loss by run name (a graph run's settled, so a redone
+    replay's loss counts). The second eager run measures what float atomics alone part two runs
+    by. overflow: pair buffers for a fifth of the most pairs seen, so the first replays overflow
+    and are redone (`monkeypatch`: pytest's, undone by its owner)."""
+    from gstrain.train import graph_capacity
+    from gstrain.train.trainer import seed_everything
+
+    runs = {}
+    for name, graphs in (("graph", True), ("eager", False), ("again", False)):
+        seed_everything(0)
+        runs[name] = graph_trainer(scene, root, name, graphs=graphs, **trainer)
+    assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
+    if overflow:
+        monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
+        monkeypatch.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(steps):
+        for name, run in runs.items():
+            torch.cuda.manual_seed(1000 + step)
+            run.step = step
+            loss = run.train_step(step)[0]
+            if run.graphs is not None:
+                redone = run.graphs.settle()
+                loss = redone.loss if redone is not None else loss
+            losses[name].append(float(loss))
+    return runs["graph"], runs["eager"], runs["again"], losses

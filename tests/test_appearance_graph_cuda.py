@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_graph_cuda import _same_model
 
-from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
+from bench.graph_cases import eager_steps_on_the_canvas, graph_and_two_eager, mixed_sizes
 from gstrain.data.colmap import load_scene
 from gstrain.data.scene import Scene
 
@@ -40,31 +40,9 @@ def _exposed(scene: Scene) -> Scene:
 
 
 def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool, model: str = "affine") -> tuple:
-    """A graph run and two eager runs from the same start, STEPS steps each; every step's exact loss
-    (a graph run's settled, so a redone replay's loss counts). The second eager run measures what
-    float atomics alone part two runs by (grid_sample's backward adds into the grid with atomics)."""
-    from gstrain.train import graph_capacity
-    from gstrain.train.trainer import seed_everything
-
-    runs = {}
-    for name, graphs in (("graph", True), ("eager", False), ("again", False)):
-        seed_everything(0)
-        runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=MODELS[model])
-    assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
-    if overflow:  # buffers for a fifth of the most pairs seen: the first replays overflow and are redone
-        monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
-        monkeypatch.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
-    losses: dict[str, list[float]] = {name: [] for name in runs}
-    for step in range(STEPS):
-        for name, run in runs.items():
-            torch.cuda.manual_seed(1000 + step)
-            run.step = step
-            loss = run.train_step(step)[0]
-            if run.graphs is not None:
-                redone = run.graphs.settle()
-                loss = redone.loss if redone is not None else loss
-            losses[name].append(float(loss))
-    return runs["graph"], runs["eager"], runs["again"], losses
+    """bench/graph_cases.graph_and_two_eager with the appearance model (grid_sample's backward adds
+    into the grid with atomics, which the second eager run's spread covers)."""
+    return graph_and_two_eager(scene, tmp_path, STEPS, monkeypatch, overflow, train=MODELS[model])
 
 
 def _same_table(graphed, eager, again) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_graph_cuda import _same_model
 
-from bench.graph_cases import eager_steps_on_the_canvas, graph_trainer, mixed_sizes
+from bench.graph_cases import eager_steps_on_the_canvas, graph_and_two_eager, mixed_sizes
 from gstrain.data.colmap import load_scene
 from gstrain.data.scene import Scene
 from gstrain.train.pose_refine import correction_matrices
@@ -105,32 +105,11 @@ def test_canvas_projection_gives_gsplats_camera_gradient_along_rigid_motions(ant
 
 
 def _run_pair(scene: Scene, tmp_path, monkeypatch, overflow: bool) -> tuple:
-    """A graph run and two eager runs from the same start, STEPS steps each, with every step's
-    exact loss (a graph run's settled). The second eager run measures what float atomics alone
-    part two runs by."""
-    from gstrain.train import graph_capacity
-    from gstrain.train.trainer import seed_everything
-
-    runs = {}
-    for name, graphs in (("graph", True), ("eager", False), ("again", False)):
-        seed_everything(0)
-        runs[name] = graph_trainer(scene, tmp_path, name, graphs=graphs, train=POSES, optim=POSE_OPTIM)
-    assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
-    assert runs["graph"].renderer.options.fused_sh  # pose refinement keeps the fused SH colours now
-    if overflow:
-        monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
-        monkeypatch.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
-    losses: dict[str, list[float]] = {name: [] for name in runs}
-    for step in range(STEPS):
-        for name, run in runs.items():
-            torch.cuda.manual_seed(1000 + step)
-            run.step = step
-            loss = run.train_step(step)[0]
-            if run.graphs is not None:
-                redone = run.graphs.settle()
-                loss = redone.loss if redone is not None else loss
-            losses[name].append(float(loss))
-    return runs["graph"], runs["eager"], runs["again"], losses
+    """bench/graph_cases.graph_and_two_eager with pose refinement, which keeps the fused SH colours."""
+    graphed, eager, again, losses = graph_and_two_eager(scene, tmp_path, STEPS, monkeypatch, overflow, train=POSES,
+                                                        optim=POSE_OPTIM)  # fmt: skip
+    assert graphed.renderer.options.fused_sh
+    return graphed, eager, again, losses
 
 
 def _same_losses(losses: dict[str, list[float]]) -> None:
