@@ -102,3 +102,21 @@ def graph_and_two_eager(scene: Scene, root: Path, steps: int, monkeypatch: Any, 
                 loss = redone.loss if redone is not None else loss
             losses[name].append(float(loss))
     return runs["graph"], runs["eager"], runs["again"], losses
+
+
+def captured_step_eagerly(trainer: Trainer, step: int, flag: torch.Tensor) -> None:
+    """What a captured step runs, run eagerly (on the CPU too): the view's index only on the device
+    (StepView.slot, no host index), the corrections' device scalars set by advance, and their skip
+    flag set to `flag` ([1] int)."""
+    from gstrain.train import corrections
+
+    ctx = trainer.ctx
+    (idx,) = ctx.views.draw(ctx.sampler)
+    view = replace(ctx.views.step_view(idx), index=None, slot=torch.tensor([idx], dtype=torch.int32))
+    corrections.advance(ctx.corrections, step)
+    corrections.set_skip_flag(ctx.corrections, flag)
+    try:
+        ctx.runner.run(ctx.params, ctx.optimizers, step, [view], ctx.sh_degree(step), ctx.background,
+                       scheduler=ctx.scheduler)  # fmt: skip
+    finally:
+        corrections.set_skip_flag(ctx.corrections, None)

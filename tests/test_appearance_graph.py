@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.graph_cases import captured_step_eagerly
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train.appearance import AffineAppearance, identity_table
@@ -220,24 +221,11 @@ def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene,
     (StepView.slot, no host index), the table's Adam from device scalars (advance, the skip flag
     set). Twenty steps across the warm-up's end train the very model and table the eager engine
     trains, bit for bit."""
-    from dataclasses import replace
-
-    from gstrain.train import corrections
-
     runs = [_cpu_trainer(demo_scene, tmp_path / name, model) for name in ("eager", "captured")]
     flag = torch.zeros(1, dtype=torch.int32)
     for step in range(20):
         runs[0].train_step(step)
-        ctx = runs[1].ctx
-        (idx,) = ctx.views.draw(ctx.sampler)
-        view = replace(ctx.views.step_view(idx), index=None, slot=torch.tensor([idx], dtype=torch.int32))
-        corrections.advance(ctx.corrections, step)
-        corrections.set_skip_flag(ctx.corrections, flag)
-        try:
-            ctx.runner.run(ctx.params, ctx.optimizers, step, [view], ctx.sh_degree(step), ctx.background,
-                           scheduler=ctx.scheduler)  # fmt: skip
-        finally:
-            corrections.set_skip_flag(ctx.corrections, None)
+        captured_step_eagerly(runs[1], step, flag)
     (a,), (b,) = runs[0].ctx.corrections, runs[1].ctx.corrections
     assert not torch.equal(a.table.detach(), a.identity.expand_as(a.table))
     assert torch.equal(a.table.detach(), b.table.detach())

@@ -8,13 +8,13 @@ float64 torch references. The captured graphs themselves: tests/test_pose_graph_
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bench.graph_cases import captured_step_eagerly
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train import corrections
@@ -205,21 +205,6 @@ def _cpu_trainer(demo_scene: Path, tmp_path: Path) -> Trainer:
     return Trainer(cfg, load_scene(demo_scene), tmp_path, torch.device("cpu"), log=lambda m: None)
 
 
-def _captured_step(trainer: Trainer, step: int, flag: torch.Tensor) -> None:
-    """What a captured step runs, run eagerly: the view's index only on the device (StepView.slot),
-    the corrections' device scalars set by advance, the skip flag set."""
-    ctx = trainer.ctx
-    (idx,) = ctx.views.draw(ctx.sampler)
-    view = replace(ctx.views.step_view(idx), index=None, slot=torch.tensor([idx], dtype=torch.int32))
-    corrections.advance(ctx.corrections, step)
-    corrections.set_skip_flag(ctx.corrections, flag)
-    try:
-        ctx.runner.run(ctx.params, ctx.optimizers, step, [view], ctx.sh_degree(step), ctx.background,
-                       scheduler=ctx.scheduler)  # fmt: skip
-    finally:
-        corrections.set_skip_flag(ctx.corrections, None)
-
-
 def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene, tmp_path):
     """Sixteen steps across pose_refine_start train the very poses and scene on both paths, bit
     for bit (one update in one form for both, train/pose_adam.py)."""
@@ -227,7 +212,7 @@ def test_the_captured_steps_path_trains_as_the_eager_step_on_the_cpu(demo_scene,
     flag = torch.zeros(1, dtype=torch.int32)
     for step in range(16):
         runs[0].train_step(step)
-        _captured_step(runs[1], step, flag)
+        captured_step_eagerly(runs[1], step, flag)
     a, b = runs[0].pose_refiner, runs[1].pose_refiner
     assert float(a.delta.detach().abs().max()) > 1e-4  # the poses moved
     assert int(a.updates.sum()) == 16 - 5 and torch.equal(a.updates, b.updates)
@@ -367,7 +352,7 @@ def test_a_checkpoint_of_captured_steps_resumes_exactly_on_either_path(demo_scen
         whole.train_step(step)
     first = _cpu_trainer(demo_scene, tmp_path / "first")
     for step in range(8):
-        _captured_step(first, step, flag)
+        captured_step_eagerly(first, step, flag)
     first.step = 8
     saved = copy.deepcopy(first.state_dict())
     second = _cpu_trainer(demo_scene, tmp_path / "second")
@@ -376,7 +361,7 @@ def test_a_checkpoint_of_captured_steps_resumes_exactly_on_either_path(demo_scen
         if then == "eager":
             second.train_step(step)
         else:
-            _captured_step(second, step, flag)
+            captured_step_eagerly(second, step, flag)
     assert float(whole.pose_refiner.delta.detach().abs().max()) > 1e-4
     for x, y in zip(_state(whole.pose_refiner), _state(second.pose_refiner), strict=True):
         assert torch.equal(x, y)
