@@ -19,8 +19,9 @@ DEVICES = ("auto", "cpu", "cuda")
 INIT_MODES = ("sfm", "random")  # model.init: the SfM points, or random points
 MASK_MODES = ("ignore", "background")
 # data.images_on: gpu (decoded at start-up, on the training device), host (pinned host memory,
-# copied one step ahead), disk (decoded on the fly by worker threads), auto (the first that fits)
+# copied one step ahead), disk (decoded on the fly by worker processes), auto (the first that fits)
 IMAGES_ON = ("auto", "gpu", "host", "disk")
+DECODE_IN = ("processes", "threads")  # dev.decode_in: who decodes data.images_on=disk's images
 # train.appearance: no per-image colour correction, a learned 3x4 affine colour transform per
 # training image (exposure and white balance; gstrain/train/appearance.py), or a learned bilateral
 # grid of them per training image (also vignetting, tone curves; gstrain/train/bilateral_grid.py)

@@ -10,6 +10,7 @@ from gstrain.choices import (
     ATOMIC_MODES,
     BACKENDS,
     COMPRESSIONS,
+    DECODE_IN,
     DEVICES,
     DIST_BACKENDS,
     IMAGES_ON,
@@ -47,6 +48,7 @@ def validate(cfg: Config) -> Config:
     choice(cfg.model.init, INIT_MODES, "model.init")
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     choice(cfg.data.images_on, IMAGES_ON, "data.images_on")
+    choice(cfg.dev.decode_in, DECODE_IN, "dev.decode_in")
     choice(cfg.train.appearance, APPEARANCE_MODES, "train.appearance")
     if cfg.train.appearance_lr <= 0 or cfg.train.appearance_decay < 0 or cfg.train.appearance_start < 0:
         raise UserError("train.appearance_lr must be > 0, train.appearance_decay and train.appearance_start >= 0; "
@@ -99,8 +101,6 @@ def validate(cfg: Config) -> Config:
     for key in ("refine_every", "reset_every"):
         if getattr(cfg.strategy, key) < 1:
             raise UserError(f"strategy.{key} must be >= 1; got {getattr(cfg.strategy, key)}")
-    if cfg.dev.decode_switch_ms != 0 and not 0.01 <= cfg.dev.decode_switch_ms <= 100:
-        raise UserError(f"dev.decode_switch_ms must be 0 (Python's own) or 0.01..100; got {cfg.dev.decode_switch_ms}")
     if cfg.dev.time_every < 1:
         raise UserError(f"dev.time_every must be >= 1; got {cfg.dev.time_every}")
     if not 0.0 <= cfg.train.ssim_lambda <= 1.0:

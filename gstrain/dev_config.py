@@ -37,10 +37,6 @@ class DevConfig:
     # shN's Adam step inside the backward, slice by slice, so its gradient (180 bytes a Gaussian)
     # is never whole at the step's memory peak (gstrain/train/backward_adam.py): the same update
     adam_in_backward: bool = True
-    # the interpreter's GIL switch interval (ms) while a data.images_on=disk store runs, 0: Python's
-    # own (5 ms). Decode threads take the GIL several times an image and a training thread running
-    # Python hands it over once an interval (bench/decode_contention.py); the H200 ratio is unmeasured
-    decode_switch_ms: float = 0.0
     # --- the rest
     atomic_threshold: int = 8  # render.atomic_mode=distwar's lane threshold T, 1..32 (arc tunes its own)
     # time the phases of every Nth step from step N // 2 on (not the first step, which pays one-time
@@ -48,6 +44,9 @@ class DevConfig:
     # and waits for the queued replays first, so timing often slows the run: 197 keeps 152 samples
     # in 30k steps (49 had 612). A prime: timed steps meet refinements (every 100) at their own rate
     time_every: int = 197
+    # who decodes data.images_on=disk's images: worker processes (each with its own GIL; the
+    # default where the OS allows) or threads in the training process (gstrain/data/decoders.py)
+    decode_in: str = "processes"
     always_distributed: bool = False  # torchrun with one process takes the distributed path too (its overhead)
 
 

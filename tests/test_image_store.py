@@ -15,9 +15,10 @@ import torch
 from cli_util import assert_one_error, call_cli
 from test_data_colmap import WIDTH, write_scene
 
-import gstrain.data.images as images_mod
+import gstrain.data.decode as decode_mod
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
+from gstrain.data.decoders import ProcessDecoder, ThreadDecoder
 from gstrain.data.image_store import (
     DEVICE_SHARE,
     DiskStore,
@@ -134,8 +135,8 @@ def _stream(store, sampler: ViewSampler, steps: int) -> list[tuple[int, torch.Te
     return [draw_views(store, sampler)[0] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("where", ["host", "disk"])
-def test_streamed_images_equal_resident_ones(jpg_scene: Path, where: str) -> None:
+@pytest.mark.parametrize(("where", "decode_in"), [("host", "processes"), ("disk", "processes"), ("disk", "threads")])
+def test_streamed_images_equal_resident_ones(jpg_scene: Path, where: str, decode_in: str) -> None:
     eager = load_scene(jpg_scene, factor=2, test_every=0)
     lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
     assert all(isinstance(v, LazyView) for v in lazy.train)
@@ -143,8 +144,10 @@ def test_streamed_images_equal_resident_ones(jpg_scene: Path, where: str) -> Non
         assert torch.equal(a.K, b.K) and torch.equal(a.viewmat, b.viewmat)
         assert (a.width, a.height) == (b.width, b.height)
     resident = ResidentStore(eager.train, CPU)
-    store = build_image_store(lazy.train, where, CPU, log=lambda _m: None)
+    store = build_image_store(lazy.train, where, CPU, log=lambda _m: None, decode_in=decode_in)
     assert store.where == where
+    if where == "disk":
+        assert isinstance(store.decoder, ProcessDecoder if decode_in == "processes" else ThreadDecoder)
     n = len(eager.train)
     sampler = ViewSampler(n, seed=7)
     for idx, image in _stream(store, sampler, 2 * n):  # two full passes of sampled indices
@@ -173,20 +176,20 @@ def test_fifty_steps_streamed_equal_resident(jpg_scene: Path) -> None:
     lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
     n = len(eager.train)
     resident = _fake_training(ResidentStore(eager.train, CPU), n)
-    for where in ("host", "disk"):
-        streamed = _fake_training(build_image_store(lazy.train, where, CPU, log=lambda _m: None), n)
-        assert torch.equal(streamed, resident), where
+    for where, decode_in in (("host", "processes"), ("disk", "processes"), ("disk", "threads")):
+        store = build_image_store(lazy.train, where, CPU, log=lambda _m: None, decode_in=decode_in)
+        assert torch.equal(_fake_training(store, n), resident), (where, decode_in)
 
 
 def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     decoded: list[Path] = []
-    real = images_mod.decode
+    real = decode_mod.decode
 
     def counting(file: Path, composite_over=None):
         decoded.append(file)
         return real(file, composite_over)
 
-    monkeypatch.setattr(images_mod, "decode", counting)
+    monkeypatch.setattr(decode_mod, "decode", counting)
     return decoded
 
 
@@ -197,7 +200,7 @@ def test_disk_start_up_decodes_only_what_the_first_steps_need(jpg_scene: Path, m
     decoded.clear()
     lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
     assert decoded == []  # headers only
-    store = DiskStore(lazy.train, CPU, workers=1, depth=2)
+    store = DiskStore(lazy.train, CPU, workers=1, depth=2, decode_in="threads")  # decodes this process sees
     sampler = ViewSampler(len(lazy.train), seed=1)
     draw_views(store, sampler)  # the first step
     store.close()
@@ -233,12 +236,13 @@ def test_disk_without_waits_says_nothing() -> None:
     store.close()
 
 
-def test_disk_decode_error_is_one_user_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode_in", ["processes", "threads"])
+def test_disk_decode_error_is_one_user_error(tmp_path: Path, decode_in: str) -> None:
     write_scene(tmp_path, n_images=3, ext=".jpg")
     lazy = load_scene(tmp_path, test_every=0, lazy=True)
     good = (tmp_path / "images" / "img_01.jpg").read_bytes()
     (tmp_path / "images" / "img_01.jpg").write_bytes(good[: len(good) // 3])  # truncated after start-up
-    store = DiskStore(lazy.train, CPU, workers=1, depth=3)
+    store = DiskStore(lazy.train, CPU, workers=1, depth=3, decode_in=decode_in)
     store.prefetch([1])
     with pytest.raises(UserError, match="cannot decode image .*img_01.jpg"):
         store.get(1)
@@ -296,14 +300,13 @@ def test_max_side_downscales_with_one_note(tmp_path: Path) -> None:
     [("data.images_on=ssd", "data.images_on must be one of auto, gpu, host, disk"),
      ("data.max_side=-1", "data.max_side must be >= 0"),
      ("train.max_memory_gib=-2", "train.max_memory_gib must be"),
-     ("dev.decode_switch_ms=0.001", "dev.decode_switch_ms must be 0"),
-     ("dev.decode_switch_ms=-1", "dev.decode_switch_ms must be 0")],
+     ("dev.decode_in=gpu", "dev.decode_in must be one of processes, threads")],
 )
 def test_bad_values_are_one_line(override: str, needle: str) -> None:
     section, rest = override.split(".", 1)
     key, value = rest.split("=")
     with pytest.raises(UserError, match=needle):
-        build_config(overrides=[{section: {key: value if section == "data" and key == "images_on" else float(value)}}])
+        build_config(overrides=[{section: {key: value if key in ("images_on", "decode_in") else float(value)}}])
 
 
 def test_bad_images_on_from_the_command_line(demo_scene: Path, tmp_path: Path) -> None:
@@ -418,19 +421,3 @@ def test_scoring_pass_decodes_a_bounded_distance_ahead() -> None:
     assert [int(v.name[1:]) for v in views] == list(range(10))
     assert all(torch.equal(a, r.source.pixels) for a, r in zip([*first, *rest], recipes, strict=True))
     assert sorted(log) == list(range(10))
-
-
-def test_disk_store_sets_the_switch_interval_while_it_runs_and_restores_it() -> None:
-    import sys
-
-    before = sys.getswitchinterval()
-    log: list[int] = []
-    store = build_image_store([LoggedView(i, log) for i in range(3)], "disk", CPU, log=lambda m: None, switch_ms=0.5)
-    try:
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        store.close()
-    assert sys.getswitchinterval() == before
-    plain = build_image_store([LoggedView(i, log) for i in range(3)], "disk", CPU, log=lambda m: None)
-    assert sys.getswitchinterval() == before  # 0: Python's own, untouched
-    plain.close()

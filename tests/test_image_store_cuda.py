@@ -35,3 +35,28 @@ def test_fifty_fake_steps_on_cuda() -> None:
     resident = _fake_training(ResidentStore(views, device), len(views))
     for kind in (HostStore, DiskStore):
         assert torch.equal(_fake_training(kind(views, device), len(views)).cpu(), resident.cpu()), kind
+
+
+def test_decode_processes_on_cuda_equal_the_files_while_copies_lag(tmp_path) -> None:
+    """Lazy views through decode processes: the shared block is pinned, and a slot is reused only
+    after the copy out of it has run, also when the side stream is held up (a sleep queued before
+    each copy), with few slots (depth 2) over three passes."""
+    from test_data_colmap import write_scene
+
+    from gstrain.data.colmap import load_scene
+    from gstrain.data.decoders import ProcessDecoder
+
+    write_scene(tmp_path, model="OPENCV", n_images=6, ext=".jpg")
+    eager = load_scene(tmp_path, test_every=0)
+    lazy = load_scene(tmp_path, test_every=0, lazy=True)
+    device = torch.device("cuda")
+    store = DiskStore(lazy.train, device, workers=2, depth=2)
+    assert isinstance(store.decoder, ProcessDecoder) and store.decoder.pinned
+    resident = ResidentStore(eager.train, device)
+    sampler = ViewSampler(len(lazy.train), seed=5)
+    for _ in range(3 * len(lazy.train)):
+        with torch.cuda.stream(store.stream):
+            torch.cuda._sleep(5_000_000)  # the next copies wait behind this on the side stream
+        (idx, image), = draw_views(store, sampler)
+        assert torch.equal(image, resident.get(idx)), idx
+    store.close()

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
+from gstrain.data.decoders import ProcessDecoder, ThreadDecoder, processes_available
 from gstrain.data.images import LazyView, decoded_pixels, view_map, view_shape
 from gstrain.data.images_on import DEVICE_SHARE as DEVICE_SHARE  # re-exported: the stores' callers read them here
 from gstrain.data.images_on import HOST_SHARE as HOST_SHARE
@@ -209,24 +209,28 @@ class HostStore(_Base):
 
 
 class DiskStore(_Base):
-    """images_on=disk: decoded by worker threads in the sampler's order, a bounded queue ahead."""
+    """images_on=disk: decoded by workers (data/decoders.py) in the sampler's order, a bounded
+    queue ahead. decode_in (dev.decode_in): "processes" (lazy views, where the OS allows) or
+    "threads" (always possible: any view)."""
 
     where = "disk"
 
-    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1,
-                 workers: int = DISK_WORKERS, depth: int = DISK_DEPTH, switch_ms: float = 0.0) -> None:  # fmt: skip
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1, workers: int = DISK_WORKERS,
+                 depth: int = DISK_DEPTH, decode_in: str = "processes") -> None:  # fmt: skip
         super().__init__(views, device, per_step)
         self.views = list(views)
-        # dev.decode_switch_ms: the interpreter's GIL switch interval while this store runs (the
-        # decode threads take the GIL several times an image, and a training thread running Python
-        # hands it over only every interval: bench/decode_contention.py); None: left as it was
-        self.switch_restore: float | None = None
-        if switch_ms > 0:
-            self.switch_restore = sys.getswitchinterval()
-            sys.setswitchinterval(switch_ms / 1000.0)
         self.depth = self.lookahead = max(depth, self.per_step)
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="gstrain-decode")
-        self.pending: OrderedDict[int, Future[torch.Tensor]] = OrderedDict()
+        self.decoder: ProcessDecoder | ThreadDecoder
+        if decode_in == "processes" and self.views and processes_available() and all(
+                isinstance(v, LazyView) for v in self.views):  # fmt: skip
+            # a slot for every decode the store may hold: pending (2 * depth at most before the
+            # stale ones are cancelled), staged and still copying (2 * per_step each)
+            slots = 2 * self.depth + 4 * self.per_step
+            recipes = [v.recipe for v in self.views]  # type: ignore[attr-defined]
+            self.decoder = ProcessDecoder(recipes, min(workers, len(self.views)), slots, pin=self.cuda)
+        else:
+            self.decoder = ThreadDecoder(self._decode, workers)
+        self.pending: OrderedDict[int, Any] = OrderedDict()  # idx -> its decode (a Future's calls)
         # on CUDA, the next step's images once decoded: copied and undistorted on the side stream
         # while this step runs (the step's stream only waits for them)
         self.staged: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
@@ -236,27 +240,41 @@ class DiskStore(_Base):
         self.longest_s = 0.0
 
     def _decode(self, idx: int) -> torch.Tensor:
+        """A decode thread's work: decoded_pixels, undistorted on the CPU, pinned on CUDA."""
         image = decoded_pixels(self.views[idx])
         if not self.cuda:  # the device is this CPU: undistorted here, in the worker (torch frees the GIL)
             return self._finish(idx, image)
         # pinned, the copy to the device is asynchronous; torch keeps the block until it has run
         return image.pin_memory()
 
+    def _take(self, idx: int, decoding: Any) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """View idx's image from its finished decode (raising its error): on CUDA copied on the
+        side stream with the event the step waits for; the decode's memory then goes back."""
+        pixels = decoding.result()
+        if self.cuda:
+            entry = self._upload(idx, pixels)
+            self.decoder.release(decoding, entry[1])
+            return entry
+        if self.decoder.shares_memory:  # a process's slot: copied out before it is reused
+            pixels = self._finish(idx, pixels.clone())
+            self.decoder.release(decoding, None)
+        return pixels, None
+
     def prefetch(self, upcoming: Sequence[int]) -> None:
         for idx in upcoming[: self.depth]:
             if idx not in self.pending and idx not in self.staged and self.recent.find(idx) is None:
-                self.pending[idx] = self.pool.submit(self._decode, idx)
+                self.pending[idx] = self.decoder.submit(idx)
         while len(self.pending) > 2 * self.depth:  # decodes the sampler no longer wants (a resume)
             _idx, stale = self.pending.popitem(last=False)
             stale.cancel()
         if self.stream is None:
             return
         for idx in upcoming[: self.per_step]:
-            future = self.pending.get(idx)
-            if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+            decoding = self.pending.get(idx)
+            if decoding is None or not decoding.done() or decoding.cancelled() or decoding.exception() is not None:
                 continue  # not decoded yet (get waits for it) or failed (get raises its error)
             del self.pending[idx]
-            self.staged[idx] = self._upload(idx, future.result())
+            self.staged[idx] = self._take(idx, decoding)
         while len(self.staged) > 2 * self.per_step:  # images the sampler no longer wants (a resume)
             self.staged.popitem(last=False)
 
@@ -268,22 +286,17 @@ class DiskStore(_Base):
         staged = self.staged.pop(idx, None)
         if staged is not None:
             return self.recent.add(idx, self._ready(*staged))
-        future = self.pending.pop(idx, None)
-        start = time.perf_counter()
-        if future is None:
-            image = self._decode(idx)  # not asked for ahead: decoded here, a wait all the same
-        elif future.done():
-            image, start = future.result(), -1.0
-        else:
-            image = future.result()  # a decode error is raised here, in the training thread
-        if start >= 0:
+        decoding = self.pending.pop(idx, None)
+        if decoding is None:  # not asked for ahead: first in line, a wait all the same
+            decoding = self.decoder.submit(idx, urgent=True)
+        if not decoding.done():
+            start = time.perf_counter()
+            self.decoder.wait(decoding)  # a decode error is raised by _take, in the training thread
             waited = time.perf_counter() - start
             self.waits += 1
             self.waited_s += waited
             self.longest_s = max(self.longest_s, waited)
-        if self.cuda:
-            image = self._ready(*self._upload(idx, image))
-        return self.recent.add(idx, image)
+        return self.recent.add(idx, self._ready(*self._take(idx, decoding)))
 
     def note(self) -> str | None:
         if not self.waits:
@@ -294,14 +307,11 @@ class DiskStore(_Base):
 
     def close(self) -> None:
         super().close()
-        for future in self.pending.values():
-            future.cancel()
+        for decoding in self.pending.values():
+            decoding.cancel()
         self.pending.clear()
         self.staged.clear()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.switch_restore is not None:
-            sys.setswitchinterval(self.switch_restore)
-            self.switch_restore = None
+        self.decoder.close()
 
 
 def build_image_store(
@@ -312,16 +322,16 @@ def build_image_store(
     per_step: int = 1,
     device_free: int | None = None,
     host_available: int | None = None,
-    switch_ms: float = 0.0,
+    decode_in: str = "processes",
 ) -> ImageStore:
     """The store for data.images_on (auto picks and says so in one line: resolve_images_on).
-    per_step: views a step draws (train.batch_size); switch_ms: dev.decode_switch_ms (disk only)."""
+    per_step: views a step draws (train.batch_size); decode_in: dev.decode_in (disk only)."""
     where = resolve_images_on(views, images_on, device, log, device_free, host_available)
     if where == "gpu":
         return ResidentStore(views, device, per_step)
     if where == "host":
         return HostStore(views, device, per_step)
-    return DiskStore(views, device, per_step, switch_ms=switch_ms)
+    return DiskStore(views, device, per_step, decode_in=decode_in)
 
 
 def images_ahead(views: Sequence[View], workers: int = START_WORKERS) -> Iterator[torch.Tensor]:

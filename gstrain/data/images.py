@@ -13,7 +13,6 @@ only. data.max_side caps the longer side after the factor, said in one note.
 from __future__ import annotations
 
 import copy
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pycolmap
 import torch
-from PIL import Image
 
-from gstrain.data.masks import ALPHA_MODES, MaskReader
+from gstrain.data.decode import ALPHA_MODES, GREY_MODES, decoded_array, probe_file
+from gstrain.data.decode import DECODE_ERRORS as DECODE_ERRORS
+from gstrain.data.masks import MaskReader
 from gstrain.data.scene import View
 from gstrain.data.undistort import UndistortMap, build_map, remap
 from gstrain.errors import UserError
@@ -32,9 +32,6 @@ from gstrain.errors import UserError
 PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp")
 
-_GREY_MODES = ("L", "LA", "La", "1")
-# What PIL raises on bad image files (SyntaxError and struct.error come from some PNG/TIFF parsers).
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
 
 @dataclass(frozen=True)
@@ -116,7 +113,7 @@ class ViewLoader:
         (w, h), mode = probe_file(file)
         if mode in ALPHA_MODES:
             self.alpha.append(source.name)
-        if mode in _GREY_MODES:
+        if mode in GREY_MODES:
             self.grey.append(source.name)
         cam: pycolmap.Camera = copy.copy(source.camera)
         # Images and cameras must agree on aspect ratio; more than ~2 px off means the wrong files.
@@ -185,25 +182,6 @@ class ViewLoader:
         return found
 
 
-def file_mode(img: Image.Image) -> str:
-    """The mode the loader reports for an opened file, known from its header: a palette with a
-    transparent colour counts as "RGBA", 16-bit and float grey as "L"."""
-    if img.mode == "P" and "transparency" in img.info:
-        return "RGBA"
-    if img.mode.startswith("I;16") or img.mode in ("I", "F"):
-        return "L"
-    return img.mode
-
-
-def probe_file(file: Path) -> tuple[tuple[int, int], str]:
-    """((width, height), mode) from the file's header, without decoding its pixels."""
-    try:
-        with Image.open(file) as img:
-            return img.size, file_mode(img)
-    except DECODE_ERRORS as exc:
-        raise UserError(f"cannot decode image {file}: {_reason(exc, file)}") from None
-
-
 def fit_max_side(size: tuple[int, int], max_side: int) -> tuple[int, int]:
     """`size` (width, height) scaled down so its longer side is at most max_side (0: no limit),
     keeping the aspect ratio as closely as whole pixels allow."""
@@ -239,12 +217,8 @@ class ImageRecipe:
     def decoded(self) -> torch.Tensor:
         """[h, w, 3] uint8 on the CPU at `target`, not undistorted yet. Safe to call from several
         threads; PIL decodes and resizes without the GIL."""
-        pil, _ = decode(self.file, self.composite_over)
-        if pil.size != self.target:
-            # Area averaging (BOX) is the antialiased downscale; K follows the actual size ratio.
-            pil = pil.resize(self.target, Image.Resampling.BOX)
-        pixels = np.asarray(pil)  # decode() gives RGB
-        return torch.from_numpy(np.array(pixels, dtype=np.uint8, order="C"))
+        # resized by area averaging when the file is another size; K follows the actual size ratio
+        return torch.from_numpy(decoded_array(self.file, self.target, self.composite_over))
 
     def undistorted(self, pixels: torch.Tensor) -> torch.Tensor:
         """decoded()'s pixels as the view's [H, W, 3] uint8 image, on their own device (the same
@@ -312,35 +286,3 @@ def decoded_pixels(view: View) -> torch.Tensor:
 def view_map(view: View) -> UndistortMap | None:
     """The map that turns decoded_pixels into the view's image; None: they are its image."""
     return view.recipe.undistort if isinstance(view, LazyView) else None
-
-
-def decode(file: Path, composite_over: np.ndarray | None = None) -> tuple[Image.Image, str]:
-    """(RGB PIL image, the file's own mode: alpha dropped or composited, grey expanded), or
-    UserError if the file cannot be decoded. A palette image with a transparent colour counts as
-    "RGBA"."""
-    try:
-        with Image.open(file) as img:
-            img.load()
-            mode = "RGBA" if img.mode == "P" and "transparency" in img.info else img.mode
-            if img.mode.startswith("I;16") or img.mode in ("I", "F"):
-                # 16-bit/float grey: PIL's convert("RGB") clips these, so scale to 8 bits ourselves.
-                arr = np.asarray(img, dtype=np.float64)
-                peak = 65535.0 if img.mode != "F" else max(float(arr.max()), 1.0)
-                grey = np.clip(arr / peak * 255.0 + 0.5, 0, 255).astype(np.uint8)
-                return Image.fromarray(grey).convert("RGB"), "L"
-            if composite_over is not None and mode in ALPHA_MODES:
-                return _composite(np.asarray(img.convert("RGBA")), composite_over), mode
-            return img.convert("RGB"), mode
-    except DECODE_ERRORS as exc:
-        raise UserError(f"cannot decode image {file}: {_reason(exc, file)}") from None
-
-
-def _reason(exc: BaseException, file: Path) -> str:
-    return str(exc).replace(f" '{file}'", "").strip() or type(exc).__name__
-
-
-def _composite(rgba: np.ndarray, background: np.ndarray) -> Image.Image:
-    """Straight (non-premultiplied) alpha over a flat colour, rounded to 8 bits."""
-    alpha = rgba[:, :, 3:4].astype(np.float64) / 255.0
-    rgb = rgba[:, :, :3].astype(np.float64) * alpha + (255.0 * background) * (1.0 - alpha)
-    return Image.fromarray(np.clip(np.rint(rgb), 0, 255).astype(np.uint8))

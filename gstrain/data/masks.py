@@ -19,12 +19,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from gstrain.data.decode import ALPHA_MODES
 from gstrain.data.scene import View
 from gstrain.data.undistort import UndistortMap, remap
 from gstrain.errors import UserError
-
-# PIL modes that carry an alpha channel (colmap.py reads the same list)
-ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 
 
 class MaskReader:

@@ -24,7 +24,8 @@ import numpy as np
 from PIL import Image
 
 from gstrain.data.colmap import camera_extent
-from gstrain.data.images import DECODE_ERRORS, IMAGE_SUFFIXES, ViewLoader, ViewSource
+from gstrain.data.decode import DECODE_ERRORS
+from gstrain.data.images import IMAGE_SUFFIXES, ViewLoader, ViewSource
 from gstrain.data.masks import MaskReader, mask_note
 from gstrain.data.ply_points import read_ply_points
 from gstrain.data.scene import Scene
