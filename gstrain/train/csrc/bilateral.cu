@@ -29,12 +29,20 @@ constexpr int kTileCells = 16;
 // ... within the shared memory a block may take without opting in (48 KiB)
 constexpr int kSharedBytes = 48 * 1024;
 
-// The position of pixel p (of `extent` view pixels) on an axis of `cells` cells, as
-// grid_sample(align_corners=True) unnormalises the pixel centre's coordinate, clamped to
-// [0, cells - 1] (border padding: past the view's edge is the last cell).
-__device__ __forceinline__ float axis_pos(const int p, const float inv_extent, const int cells) {
-    const float pos = ((float)p + 0.5f) * inv_extent * (float)(cells - 1);
-    return fminf(fmaxf(pos, 0.0f), (float)(cells - 1));
+// Positions are computed with the rounding of bilateral_grid.slice_grid's tensor ops followed by
+// grid_sample's unnormalisation, one correctly rounded operation at a time (the _rn intrinsics keep
+// the compiler from fusing them): the same float as the grid_sample path, so a pixel sits on the
+// same side of a cell boundary and of the border in both (where the guide's gradient jumps).
+__device__ __forceinline__ float unnormalise(const float coord, const int cells) {
+    return __fmul_rn(__fdiv_rn(__fadd_rn(coord, 1.0f), 2.0f), (float)(cells - 1));
+}
+
+// The position of pixel p on an axis of `cells` cells, `step` = 2 / (the view's pixels on that
+// axis): the pixel centre's coordinate in [-1, 1] unnormalised as grid_sample(align_corners=True)
+// does, clamped to [0, cells - 1] (border padding: past the view's edge is the last cell).
+__device__ __forceinline__ float axis_pos(const int p, const float step, const int cells) {
+    const float coord = __fsub_rn(__fmul_rn(__fadd_rn((float)p, 0.5f), step), 1.0f);
+    return fminf(fmaxf(unnormalise(coord, cells), 0.0f), (float)(cells - 1));
 }
 
 // The lower cell of a clamped position: at the last cell the upper neighbour is the same cell with
@@ -52,9 +60,9 @@ struct Place {
     bool guide_inside;
 };
 
-struct ViewScale {
-    float inv_w;
-    float inv_h;
+struct ViewScale { // 2 / the view's width, 2 / its height
+    float step_x;
+    float step_y;
 };
 
 __device__ __forceinline__ ViewScale view_scale(const BilateralDims &d) {
@@ -63,17 +71,18 @@ __device__ __forceinline__ ViewScale view_scale(const BilateralDims &d) {
         w = max(d.valid[0], 1);
         h = max(d.valid[1], 1);
     }
-    return {1.0f / (float)w, 1.0f / (float)h};
+    return {__fdiv_rn(2.0f, (float)w), __fdiv_rn(2.0f, (float)h)};
 }
 
 __device__ __forceinline__ Place place_of(const BilateralDims &d, const ViewScale s, const int px, const int py,
                                           const float r, const float g, const float b) {
     Place p;
-    const float x = axis_pos(px, s.inv_w, d.cells_x);
-    const float y = axis_pos(py, s.inv_h, d.cells_y);
-    const float luma = d.luma_r * r + d.luma_g * g + d.luma_b * b;
-    // fmaxf/fminf drop a NaN luminance to 0: a defined cell instead of garbage indices
-    const float z = fminf(fmaxf(luma, 0.0f), 1.0f) * (float)(d.levels - 1);
+    const float x = axis_pos(px, s.step_x, d.cells_x);
+    const float y = axis_pos(py, s.step_y, d.cells_y);
+    const float luma = __fadd_rn(__fadd_rn(__fmul_rn(r, d.luma_r), __fmul_rn(g, d.luma_g)), __fmul_rn(b, d.luma_b));
+    // the guide clamp(luma) * 2 - 1, unnormalised and clamped; fmaxf/fminf drop a NaN to 0
+    const float guide = __fsub_rn(__fmul_rn(fminf(fmaxf(luma, 0.0f), 1.0f), 2.0f), 1.0f);
+    const float z = fminf(fmaxf(unnormalise(guide, d.levels), 0.0f), (float)(d.levels - 1));
     p.x0 = lower_cell(x, d.cells_x);
     p.y0 = lower_cell(y, d.cells_y);
     p.z0 = lower_cell(z, d.levels);
@@ -142,10 +151,10 @@ __device__ __forceinline__ BlockCells block_cells(const BilateralDims &d, const 
     const int px0 = blockIdx.x * kTileX, px1 = min(px0 + kTileX, d.width) - 1;
     const int py0 = blockIdx.y * kTileY, py1 = min(py0 + kTileY, d.height) - 1;
     BlockCells b;
-    b.x_lo = lower_cell(axis_pos(px0, s.inv_w, d.cells_x), d.cells_x);
-    b.y_lo = lower_cell(axis_pos(py0, s.inv_h, d.cells_y), d.cells_y);
-    const int x_hi = min(lower_cell(axis_pos(px1, s.inv_w, d.cells_x), d.cells_x) + 1, d.cells_x - 1);
-    const int y_hi = min(lower_cell(axis_pos(py1, s.inv_h, d.cells_y), d.cells_y) + 1, d.cells_y - 1);
+    b.x_lo = lower_cell(axis_pos(px0, s.step_x, d.cells_x), d.cells_x);
+    b.y_lo = lower_cell(axis_pos(py0, s.step_y, d.cells_y), d.cells_y);
+    const int x_hi = min(lower_cell(axis_pos(px1, s.step_x, d.cells_x), d.cells_x) + 1, d.cells_x - 1);
+    const int y_hi = min(lower_cell(axis_pos(py1, s.step_y, d.cells_y), d.cells_y) + 1, d.cells_y - 1);
     b.nx = x_hi - b.x_lo + 1;
     b.ny = y_hi - b.y_lo + 1;
     return b;
@@ -210,7 +219,7 @@ __global__ void bilateral_bwd_kernel(const BilateralDims d, const int tile_cells
                 if (col < 3) drgb[col] = fmaf(dout[r], coeff, drgb[col]);
             }
         }
-        if (p.guide_inside) { // z = clamp(luma) * (L - 1): d z / d channel = luma weight * (L - 1)
+        if (p.guide_inside) { // z = (clamp(luma) * 2 - 1 + 1) / 2 * (L - 1): d z / d luma = L - 1
             const float dluma = dz * (float)(d.levels - 1);
             drgb[0] = fmaf(dluma, d.luma_r, drgb[0]);
             drgb[1] = fmaf(dluma, d.luma_g, drgb[1]);
