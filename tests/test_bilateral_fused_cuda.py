@@ -69,7 +69,9 @@ def _check(image: torch.Tensor, grid: torch.Tensor, valid: torch.Tensor | None, 
     for name, a, b in zip(("output", "image gradient", "grid gradient"), got, want, strict=True):
         scale = float(b.abs().max()) + 1e-12
         err = float((a.double() - b).abs().max())
-        assert err <= 2e-5 * scale + 1e-6, (name, err, scale)
+        # float32 positions near cell 63 of a 64-cell axis are off by up to 4e-6 of a cell: 1e-5 of
+        # the largest value on a CPU emulation of these kernels; a wrong index or weight is O(1)
+        assert err <= 5e-5 * scale + 1e-6, (name, err, scale)
 
 
 @pytest.mark.parametrize("case", list(CASES))
