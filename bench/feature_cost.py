@@ -14,7 +14,9 @@ the ratios).
 
 --pipeline NAME: bench/bench_train.py's pipeline of that name as a variant (its --set,
 --atomic-mode and --backend flags as overrides), e.g. `--pipeline appearance --pipeline bilateral`
-times the per-image affine and the bilateral grid against the defaults in one call.
+times the per-image affine and the bilateral grid against the defaults in one call; add
+`--variant bilateral_grid_sample=train.appearance=bilateral,dev.fused_bilateral=false` to time the
+bilateral grid's F.grid_sample path beside its fused kernels in the same call.
 
 Prints ms per step and the ratio to the defaults (total and median of the block ratios) for each
 variant, and the engine each ran. Writes `$OUT/feature_cost.json` when OUT is set.

@@ -31,6 +31,9 @@ class DevConfig:
     # gsplat's spherical_harmonics and the tensor ops around it (a [N, 16, 3] concatenation among
     # them). It saves memory and eager steps' launches; in graph steps it is level with gsplat's
     fused_sh: bool = True
+    # train.appearance=bilateral's slice-and-apply in one kernel each way (gstrain/train/fused_bilateral.py)
+    # instead of F.grid_sample, whose backward adds every pixel into the small grid with global atomics
+    fused_bilateral: bool = True
     # replay training steps (one view, or train.batch_size views) as CUDA graphs (our CUDA kernels
     # with ellipse_cull and fused Adam): far less host time a step (gstrain/train/graph_step.py)
     cuda_graphs: bool = True

@@ -2,7 +2,8 @@
 
 This module owns them: their sources, and the one function per extension that builds and loads
 it. The modules that launch the kernels (render/cuda.py, render/sized_projection.py,
-render/sh_colors.py, train/fused_ssim.py, train/fused_adam.py, the densification statistics)
+render/sh_colors.py, train/fused_ssim.py, train/fused_adam.py, train/fused_bilateral.py, the
+densification statistics)
 import their extension from here, and this module imports none of them.
 """
 
@@ -29,6 +30,8 @@ _SSIM_SOURCES = (_TRAIN_CSRC / "bindings.cpp", _TRAIN_CSRC / "fused_ssim.cu")
 _SSIM_HEADERS = (_TRAIN_CSRC / "fused_ssim.h",)
 _STEP_SOURCES = (_TRAIN_CSRC / "step_bindings.cpp", _TRAIN_CSRC / "step_ops.cu")
 _STEP_HEADERS = (_TRAIN_CSRC / "step_ops.h",)
+_BILATERAL_SOURCES = (_TRAIN_CSRC / "bilateral_bindings.cpp", _TRAIN_CSRC / "bilateral.cu")
+_BILATERAL_HEADERS = (_TRAIN_CSRC / "bilateral.h",)
 
 
 def raster() -> ModuleType:
@@ -54,5 +57,15 @@ def step_ops() -> ModuleType:
     )  # fmt: skip
 
 
+def bilateral() -> ModuleType:
+    """gstrain_bilateral: the bilateral grid's slice-and-apply (train.appearance=bilateral), forward and backward."""
+    return load_extension(
+        "gstrain_bilateral", _BILATERAL_SOURCES, _BILATERAL_HEADERS,
+        what="the fused bilateral-grid kernel", alternative="set dev.fused_bilateral=false",
+    )  # fmt: skip
+
+
 # name -> the function that builds (first use) and loads that extension: what `python -m bench.builds` names
-BUILDERS: dict[str, Callable[[], ModuleType]] = {"raster": raster, "ssim": ssim, "step_ops": step_ops}
+BUILDERS: dict[str, Callable[[], ModuleType]] = {
+    "raster": raster, "ssim": ssim, "step_ops": step_ops, "bilateral": bilateral,
+}  # fmt: skip

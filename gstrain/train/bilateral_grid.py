@@ -14,8 +14,9 @@ cell initialised to [I | 0] (a run starts as without it). A pixel at column px o
 (px + 0.5) / W * (X - 1) (pixel centres; the grid's first and last cells at the image's edges), y
 likewise, and luminance (0.299 R + 0.587 G + 0.114 B of the render, clamped to [0, 1]) at
 luminance * (L - 1) (on a CUDA-graph canvas, positions within the view's valid part:
-StepView.valid). F.grid_sample does the trilinear blend (align_corners=True, border padding),
-on the CPU and the GPU alike, and its backward gives the table's gradient.
+StepView.valid). F.grid_sample does the trilinear blend (align_corners=True, border padding) and
+its backward gives the table's gradient; on a GPU, by default (dev.fused_bilateral), one kernel
+each way computes the same function without grid_sample's atomics (train/fused_bilateral.py).
 
 The regulariser: train.bilateral_tv times the total variation of the whole table, the sum over
 the three grid axes of the mean squared difference of neighbouring cells. Its gradient is a
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gstrain.train.fused_bilateral import fusable, fused_apply_grid, prepare
 from gstrain.train.view_table import ViewTable
 
 # Rec. 601 luma: the guide the grid is sliced by (the weights a camera's tone mapping sees)
@@ -70,9 +72,11 @@ def slice_grid(grid: Tensor, image: Tensor, valid: Tensor | None = None) -> Tens
     return blended[0, :, 0].permute(1, 2, 0).reshape(height, width, 3, 4)
 
 
-def apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None = None) -> Tensor:
+def apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None = None, fused: bool = False) -> Tensor:
     """A(x, y, lum) @ rgb + b(x, y, lum) per pixel: image [H, W, 3], grid [12, L, Y, X] (valid: as
-    slice_grid)."""
+    slice_grid). fused: the fused kernels where they take the inputs (float32 CUDA), else grid_sample."""
+    if fused and fusable(image, grid):
+        return fused_apply_grid(image, grid, valid, (LUMA_R, LUMA_G, LUMA_B))
     transform = slice_grid(grid, image, valid)
     return (transform[..., :3] * image[..., None, :]).sum(-1) + transform[..., 3]
 
@@ -101,16 +105,18 @@ def total_variation_grad(table: Tensor, weight: float) -> Tensor:
 
 class BilateralAppearance(ViewTable):
     """The per-image bilateral grids of the training views (a corrections.ViewCorrection,
-    graph-safe; train/view_table.py), grid = (L, Y, X) cells, TV weight `tv`."""
+    graph-safe; train/view_table.py), grid = (L, Y, X) cells, TV weight `tv`; fused: slice with
+    the fused kernels on a GPU (dev.fused_bilateral)."""
 
     def __init__(self, n_views: int, grid: tuple[int, int, int], device: torch.device, lr: float,
-                 decay: float = 0.0, start: int = 0, tv: float = 0.0) -> None:  # fmt: skip
+                 decay: float = 0.0, start: int = 0, tv: float = 0.0, fused: bool = False) -> None:  # fmt: skip
         # the pull toward identity: one identity grid, broadcast over the views
         super().__init__(identity_grids(n_views, grid, device), identity_grids(1, grid, device), lr, decay, start)
         self.tv = float(tv)
+        self.fused = prepare(device, fused)
 
     def apply(self, image: Tensor, row: Tensor, valid: Tensor | None = None) -> Tensor:
-        return apply_grid(image, row, valid)
+        return apply_grid(image, row, valid, self.fused)
 
     def regulariser_grad(self) -> Tensor | None:
         if not self.tv:

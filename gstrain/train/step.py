@@ -10,6 +10,7 @@ runs, with the same speed switches:
   optim.moments        Adam's moments in bfloat16 or 8 bits (train/moment_modes.py): their own
                        torch-op step where the fused kernel is not used
   dev.fast_stats       DefaultStrategy's statistics without its three host syncs a step
+  dev.fused_bilateral  train.appearance=bilateral's slice-and-apply in one kernel each way
 Nothing here reads a value back from the GPU. dev.cuda_graphs (graph_step.py) captures this
 same step as a CUDA graph, with Adam's scalars on the device (graph_adam).
 """
