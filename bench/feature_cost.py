@@ -106,6 +106,8 @@ def main() -> None:
                 "ms_per_step": 1e3 * sum(secs) / args.steps,
                 "ratio_total": sum(secs) / sum(seconds[0]),
                 "ratio_median_block": statistics.median(s / b for s, b in zip(secs, seconds[0], strict=True)),
+                "block_ms_per_step": [round(1e3 * s / args.block, 4) for s in secs],
+                "images_note": t.image_store.note(),  # data.images_on=disk: whether steps waited for decodes
             }  # fmt: skip
     result = {
         "scene": str(args.scene), "steps": args.steps, "block": args.block, "sets": args.sets,

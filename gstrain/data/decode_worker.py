@@ -36,6 +36,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from gstrain.data.decode import decoded_array  # noqa: E402
 from gstrain.errors import UserError  # noqa: E402
@@ -90,6 +91,7 @@ def serve(header: dict) -> None:
 
 
 def main() -> int:
+    Image.preinit()  # PIL's common format plugins, imported while the training process starts up
     serve(json.loads(sys.stdin.buffer.read()))
     return 0
 
