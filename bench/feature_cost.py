@@ -108,6 +108,7 @@ def main() -> None:
                 "ratio_median_block": statistics.median(s / b for s, b in zip(secs, seconds[0], strict=True)),
                 "block_ms_per_step": [round(1e3 * s / args.block, 4) for s in secs],
                 "images_note": t.image_store.note(),  # data.images_on=disk: whether steps waited for decodes
+                "image_waits_at": getattr(t.image_store, "wait_at", []),  # (get number, seconds) of the first
             }  # fmt: skip
     result = {
         "scene": str(args.scene), "steps": args.steps, "block": args.block, "sets": args.sets,

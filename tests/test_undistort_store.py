@@ -138,3 +138,26 @@ def test_views_of_one_camera_share_one_map(distorted_scene: Path) -> None:
     lazy = load_scene(distorted_scene, test_every=0, lazy=True)
     maps = {id(v.recipe.undistort) for v in lazy.train if isinstance(v, LazyView)}
     assert len(lazy.train) == 4 and len(maps) == 1 and lazy.train[0].recipe.undistort is not None
+
+
+def test_stores_keep_dense_maps_within_their_byte_bound(distorted_scene: Path) -> None:
+    """A store keeps full-resolution maps (8 or 9 bytes a pixel) up to its bound, the most recent first,
+    and an image resampled through a kept map equals the load's own undistortion."""
+    from gstrain.data.undistort import DenseMaps, UndistortMap, remap
+
+    eager = load_scene(distorted_scene, test_every=0)
+    lazy = load_scene(distorted_scene, test_every=0, lazy=True)
+    view = lazy.train[0]
+    assert isinstance(view, LazyView)
+    first = view.recipe.undistort
+    width, height = first.size
+    second = UndistortMap(first.grid.clone(), first.size, first.source, first.inside)  # another camera's
+    one_map = width * height * (8 if first.inside else 9)  # float32 (x, y), and a bool mask unless all are inside
+    dense = DenseMaps(max_bytes=one_map)
+    kept = dense.get(first, CPU)
+    assert dense.get(first, CPU)[0] is kept[0] and dense.nbytes == one_map  # kept, not made again
+    dense.get(second, CPU)
+    assert list(dense.maps) == [(id(second), CPU)] and dense.nbytes == one_map  # the older one went
+    image = remap(view.recipe.decoded(), first, dense.get(first, CPU))
+    assert torch.equal(image, eager.train[0].image)
+    assert DenseMaps(max_bytes=one_map - 1).get(first, CPU)[0].shape == (1, height, width, 2)  # too big: made, not kept

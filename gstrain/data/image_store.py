@@ -44,7 +44,7 @@ from gstrain.data.images_on import choose_images_on as choose_images_on
 from gstrain.data.images_on import resolve_images_on
 from gstrain.data.images_on import scene_is_lazy as scene_is_lazy
 from gstrain.data.scene import View
-from gstrain.data.undistort import UndistortMap, pin_maps, remap
+from gstrain.data.undistort import DenseMaps, UndistortMap, pin_maps, remap
 
 # Decode threads follow the machine's cores (PIL decodes and resizes without the GIL): a 1080p JPEG
 # takes a thread about 38 ms (eight decoded 210 a second on the H200 machine's 16 cores), so four
@@ -118,11 +118,12 @@ class _Base:
         maps = [view_map(v) for v in views]
         self.maps: list[UndistortMap | None] = pin_maps(maps) if self.cuda else maps
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # copies beside the step
+        self.dense = DenseMaps()  # decode threads finish on the CPU: it locks
 
     def _finish(self, idx: int, decoded: torch.Tensor) -> torch.Tensor:
         """decoded_pixels of view idx, already on its device, as the view's image there."""
         undistort = self.maps[idx]
-        return decoded if undistort is None else remap(decoded, undistort)
+        return decoded if undistort is None else remap(decoded, undistort, self.dense.get(undistort, decoded.device))
 
     def _upload(self, idx: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """View idx's image from its decoded_pixels (pinned on CUDA): copied and undistorted on the
@@ -238,6 +239,7 @@ class DiskStore(_Base):
         self.waits = 0  # gets that found their image not decoded yet
         self.waited_s = 0.0
         self.longest_s = 0.0
+        self.wait_at: list[tuple[int, float]] = []  # (get number, seconds) of the first waits: when they came
 
     def _decode(self, idx: int) -> torch.Tensor:
         """A decode thread's work: decoded_pixels, undistorted on the CPU, pinned on CUDA."""
@@ -296,6 +298,8 @@ class DiskStore(_Base):
             self.waits += 1
             self.waited_s += waited
             self.longest_s = max(self.longest_s, waited)
+            if len(self.wait_at) < 256:
+                self.wait_at.append((self.gets, waited))
         return self.recent.add(idx, self._ready(*self._take(idx, decoding)))
 
     def note(self) -> str | None:

@@ -17,6 +17,8 @@ interpolation or float32 moves a bilinear value across a rounding boundary.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,22 +119,70 @@ def build_map(distorted: pycolmap.Camera, pinhole: pycolmap.Camera, step: int = 
     return UndistortMap(coarse, (width, height), (src_w, src_h), inside)
 
 
-def remap(image: torch.Tensor, undistort: UndistortMap) -> torch.Tensor:
+DENSE_MAP_BYTES = 64 * 2**20  # full-resolution maps an image store keeps: three 1080p cameras' (9 B a pixel)
+DenseMap = tuple[torch.Tensor, torch.Tensor | None]  # every pixel's source point, and which are inside (None: all)
+
+
+def dense_map(undistort: UndistortMap, device: torch.device) -> DenseMap:
+    """The map at full resolution on `device`: each pixel's source point [1, H, W, 2] (bilinear
+    between the coarse nodes), and where not every pixel is inside, [1, 1, H, W] whether all four
+    of its source neighbours are (COLMAP blacks out the rest). What remap computes, kept by image
+    stores so that a streamed image is only resampled (9 bytes a pixel)."""
+    width, height = undistort.size
+    coarse = undistort.grid.to(device, non_blocking=True)
+    grid = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=True).permute(0, 2, 3, 1)
+    if undistort.inside:
+        return grid, None
+    return grid, ((grid >= -1.0) & (grid < 1.0)).all(dim=3, keepdim=True).permute(0, 3, 1, 2)
+
+
+class DenseMaps:
+    """The last few cameras' full-resolution undistortion maps (dense_map), so a streamed image
+    costs one resampling, not the map's interpolation too. Bounded in bytes: a capture whose every
+    photo has its own camera keeps only the last few (and interpolates as before)."""
+
+    def __init__(self, max_bytes: int = DENSE_MAP_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.lock = threading.Lock()
+        self.maps: OrderedDict[tuple[int, torch.device], DenseMap] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, undistort: UndistortMap, device: torch.device) -> DenseMap:
+        with self.lock:
+            return self._get(undistort, device)
+
+    def _get(self, undistort: UndistortMap, device: torch.device) -> DenseMap:
+        key = (id(undistort), device)
+        found = self.maps.get(key)
+        if found is not None:
+            self.maps.move_to_end(key)
+            return found
+        dense = dense_map(undistort, device)
+        size = sum(t.numel() * t.element_size() for t in dense if t is not None)
+        while self.maps and self.nbytes + size > self.max_bytes:
+            _key, old = self.maps.popitem(last=False)
+            self.nbytes -= sum(t.numel() * t.element_size() for t in old if t is not None)
+        if size <= self.max_bytes:
+            self.maps[key] = dense
+            self.nbytes += size
+        return dense
+
+
+def remap(image: torch.Tensor, undistort: UndistortMap, dense: DenseMap | None = None) -> torch.Tensor:
     """[H, W, C] uint8 undistorted, on `image`'s device, from the distorted [h, w, C] uint8 `image`
-    (h, w: undistort.source). The same kernels on every device; deterministic."""
+    (h, w: undistort.source); dense: dense_map(undistort, image.device) when the caller keeps it.
+    The same kernels on every device; deterministic."""
     if (image.shape[1], image.shape[0]) != undistort.source:
         raise ValueError(f"image is {image.shape[1]}x{image.shape[0]}, the map samples "
                          f"{undistort.source[0]}x{undistort.source[1]}")
     width, height = undistort.size
-    coarse = undistort.grid.to(image.device, non_blocking=True)
-    grid = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=True).permute(0, 2, 3, 1)
+    grid, inside = dense if dense is not None else dense_map(undistort, image.device)
     # + 0.5 (the bilinear weights sum to 1), then truncation to uint8: rounded half up, as COLMAP does
     source = image.permute(2, 0, 1).unsqueeze(0) + 0.5  # float32
     sampled = F.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
-    if not undistort.inside:
+    if inside is not None:
         # COLMAP blacks out a pixel unless all four neighbours are inside; grid_sample's zero
         # padding would blend the edge pixels with zeros instead
-        inside = ((grid >= -1.0) & (grid < 1.0)).all(dim=3, keepdim=True).permute(0, 3, 1, 2)
         sampled = sampled.mul_(inside)
     out = torch.empty((height, width, image.shape[2]), dtype=torch.uint8, device=image.device)
     return out.copy_(sampled[0].permute(1, 2, 0))
