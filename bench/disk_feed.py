@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from gstrain.choices import DECODE_IN
 from gstrain.data.colmap import load_scene
 from gstrain.data.image_store import DISK_WORKERS, DiskStore, ResidentStore, TrainImages
 from gstrain.train.context import TrainViews
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.workers} decode workers, device {device}", flush=True)
     resident = ms_per_step(ResidentStore(eager.train, device), n, args.step_ms / 1e3, args.steps, args.warmup)
     print(f"resident: {resident:.3f} ms a step", flush=True)
-    for decode_in in ("processes", "threads"):
+    for decode_in in DECODE_IN:
         store = DiskStore(lazy.train, device, workers=args.workers, decode_in=decode_in)
         ms = ms_per_step(store, n, args.step_ms / 1e3, args.steps, args.warmup)
         note = store.note()
