@@ -7,8 +7,9 @@ over only every switch interval (5 ms), so threads there decoded 10x slower than
 (bench/decode_contention.py). A worker process has a GIL of its own.
 
 Protocol (all pipes; the parent's DecodeProcesses is the other end):
-- stdin: one JSON object, then end of file: {"arena_fd", "arena_bytes", "slot_bytes",
-  "request_fd", "result_fd", "views": [[file, [w, h], composite_over or null], ...]}.
+- argv: a descriptor (memory of its own) and the length of one JSON object there: {"arena_fd",
+  "arena_bytes", "slot_bytes", "request_fd", "result_fd", "views": [[file, [w, h],
+  composite_over or null], ...]}.
 - request_fd (shared by every worker, so an idle worker takes the next request): records of
   REQUEST = (view index, slot); end of file: exit.
 - result_fd (shared): records of RESULT = (view index, slot, status, height, width, message
@@ -92,7 +93,12 @@ def serve(header: dict) -> None:
 
 def main() -> int:
     Image.preinit()  # PIL's common format plugins, imported while the training process starts up
-    serve(json.loads(sys.stdin.buffer.read()))
+    header_fd, size = int(sys.argv[1]), int(sys.argv[2])
+    header = b""
+    while len(header) < size:  # pread: the workers share the descriptor's offset, so none moves it
+        header += os.pread(header_fd, size - len(header), len(header))
+    os.close(header_fd)
+    serve(json.loads(header))
     return 0
 
 

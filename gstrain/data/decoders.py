@@ -132,24 +132,26 @@ class ProcessDecoder:
             "views": [[str(r.file), list(r.target), None if r.composite_over is None else
                        [float(c) for c in r.composite_over]] for r in self.recipes],
         }).encode()  # fmt: skip
+        # the header in memory of its own, which each worker reads at its offset 0 when it is up:
+        # starting the workers waits for none of them
+        header_fd = os.memfd_create("gstrain-decode-header")
+        os.write(header_fd, header)
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
         self.workers: list[subprocess.Popen] = []
         try:
             for _ in range(max(1, workers)):
                 self.workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "gstrain.data.decode_worker"], stdin=subprocess.PIPE, env=env,
-                    pass_fds=(self.arena_fd, request_read, result_write), start_new_session=True,
+                    [sys.executable, "-m", "gstrain.data.decode_worker", str(header_fd), str(len(header))],
+                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                    pass_fds=(self.arena_fd, header_fd, request_read, result_write),
                 ))  # fmt: skip
-            for worker in self.workers:
-                assert worker.stdin is not None
-                worker.stdin.write(header)
-                worker.stdin.close()
         except OSError as exc:
             self.close()
             raise UserError(f"cannot start the image decode processes: {exc} "
                             "(dev.decode_in=threads avoids them)") from None
         finally:  # the workers hold these ends now; end of file on them then means the workers are gone
+            os.close(header_fd)
             os.close(request_read)
             os.close(result_write)
 
