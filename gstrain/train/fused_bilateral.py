@@ -31,23 +31,33 @@ from torch.autograd.function import once_differentiable
 
 from gstrain import extensions
 
+# The backward's ways of summing a block's pixels into the grid's gradient, in the order of
+# csrc/bilateral.h's BilateralBwdVariant (the index is what the kernel takes). The same sums up to
+# float rounding; bench/bilateral_cost.py times them side by side.
+BACKWARD_VARIANTS = (
+    "shared",  # shared-memory atomics per pixel; a warp whose 32 pixels share one cell sums by shuffles
+    "warp_runs",  # lanes in runs of one cell sum by segmented shuffles; one atomic a run
+    "row_runs",  # as warp_runs, the row's common y weight factored out: half the shuffles
+)
+DEFAULT_BACKWARD = "shared"
+
 
 class _FusedBilateral(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, image: Tensor, grid: Tensor, valid: Tensor | None,
-                luma: tuple[float, float, float]) -> Tensor:  # fmt: skip
+                luma: tuple[float, float, float], variant: int) -> Tensor:  # fmt: skip
         ctx.save_for_backward(image, grid)
-        ctx.valid, ctx.luma = valid, luma
+        ctx.valid, ctx.luma, ctx.variant = valid, luma, variant
         return extensions.bilateral().bilateral_fwd(image, grid, valid, *luma)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         image, grid = ctx.saved_tensors
         grad_image, grad_grid = extensions.bilateral().bilateral_bwd(image, grid, ctx.valid, grad.contiguous(),
-                                                                     *ctx.luma)  # fmt: skip
+                                                                     *ctx.luma, ctx.variant)  # fmt: skip
         return (grad_image if ctx.needs_input_grad[0] else None,
-                grad_grid if ctx.needs_input_grad[1] else None, None, None)  # fmt: skip
+                grad_grid if ctx.needs_input_grad[1] else None, None, None, None)  # fmt: skip
 
 
 def fusable(image: Tensor, grid: Tensor) -> bool:
@@ -61,13 +71,16 @@ def fusable(image: Tensor, grid: Tensor) -> bool:
     )  # fmt: skip
 
 
-def fused_apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None,
-                     luma: tuple[float, float, float]) -> Tensor:  # fmt: skip
+def fused_apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None, luma: tuple[float, float, float],
+                     backward: str = DEFAULT_BACKWARD) -> Tensor:  # fmt: skip
     """A(x, y, g) @ rgb + b(x, y, g) per pixel by the kernels (inputs `fusable`); luma: the guide's
-    (R, G, B) weights, which bilateral_grid owns."""
+    (R, G, B) weights, which bilateral_grid owns; backward: one of BACKWARD_VARIANTS."""
+    if backward not in BACKWARD_VARIANTS:
+        raise ValueError(f"bilateral backward variant {backward!r}; known: {', '.join(BACKWARD_VARIANTS)}")
     if valid is not None:
         valid = valid.to(device=image.device, dtype=torch.int32).contiguous()
-    return _FusedBilateral.apply(image.contiguous(), grid.contiguous(), valid, tuple(float(w) for w in luma))
+    return _FusedBilateral.apply(image.contiguous(), grid.contiguous(), valid, tuple(float(w) for w in luma),
+                                 BACKWARD_VARIANTS.index(backward))  # fmt: skip
 
 
 def prepare(device: torch.device, fused: bool) -> bool:
