@@ -4,8 +4,8 @@ shared-memory tile, with and without the warp's shuffle sum, and ones that fall 
 atomics) for every backward variant (fused_bilateral.BACKWARD_VARIANTS), with and without a canvas
 `valid`, pixels whose luminance is exactly 0, below 0 and above 1, smooth ramps (runs of one cell
 of many lengths within a warp); inside a captured CUDA graph (valid read on the device); and eager
-training runs with the switch on and off. The reference is the grid_sample path in float64, so it is independent of float32
-summation order. Run by bench/gpu_tests.sh."""
+training runs with the switch on and off. The reference is the grid_sample path in float64, so it
+is independent of float32 summation order. Run by bench/gpu_tests.sh."""
 
 from __future__ import annotations
 
