@@ -14,6 +14,7 @@ Then a torch.profiler table (top CUDA kernels by self time) of a few of those st
 
     python -m bench.bilateral_cost [--size 701x1248] [--grid 8x16x16] [--views 71] [--reps 50]
                                    [--warmup 10] [--image PHOTO_OR_FOLDER] [--json PATH]
+    python -m bench.bilateral_cost --sanitize-case   # every variant on awkward sizes, for compute-sanitizer
 
 The image is a smooth synthetic photo (low-frequency colour field plus faint texture: luminance
 changes level every few tens of pixels, as in a real view) unless --image names a photo (or a
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--image", type=Path, default=None, help="a photo, or a folder whose first photo is used")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sanitize-case", action="store_true", help="run small cases of every variant, no timing")
     args = ap.parse_args(argv)
     if args.views < 1 or args.reps < 1 or args.warmup < 0:
         ap.error("--views and --reps must be >= 1, --warmup >= 0")
@@ -232,6 +234,28 @@ def profile_table(args, model, image, grad_out) -> str:
     return averages.table(row_limit=20)
 
 
+def sanitize_case() -> None:
+    """Forward and backward of every variant on sizes that are not multiples of the 32 x 8 block,
+    grids whose blocks take the shared tile and ones that add to global memory, with and without a
+    canvas `valid`: for compute-sanitizer's memcheck and racecheck."""
+    import torch
+
+    from gstrain.train.bilateral_grid import LUMA_B, LUMA_G, LUMA_R, identity_grids
+    from gstrain.train.fused_bilateral import BACKWARD_VARIANTS, fused_apply_grid
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for (height, width), cells in (((37, 65), (8, 16, 16)), ((9, 11), (4, 64, 64)), ((50, 71), (64, 4, 4))):
+        image = (torch.rand(height, width, 3, generator=gen) * 1.4 - 0.2).cuda()
+        grid = (identity_grids(1, cells)[0] + 0.3 * torch.randn(12, *cells, generator=gen)).cuda()
+        for valid in (None, torch.tensor([width - 5, height - 3], dtype=torch.int32, device="cuda")):
+            for backward in BACKWARD_VARIANTS:
+                x, g = image.clone().requires_grad_(), grid.clone().requires_grad_()
+                out = fused_apply_grid(x, g, valid, (LUMA_R, LUMA_G, LUMA_B), backward)
+                torch.autograd.grad(out, (x, g), torch.randn_like(out))
+    torch.cuda.synchronize()
+    print("bilateral_cost: sanitize case done")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -244,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     from gstrain.train.fused_bilateral import BACKWARD_VARIANTS, DEFAULT_BACKWARD
 
     build_all(["bilateral"])  # compile outside any timing
+    if args.sanitize_case:
+        sanitize_case()
+        return 0
     device = torch.device("cuda")
     image = load_image(args.image, args.size, device)
     gen = torch.Generator(device="cpu").manual_seed(1)
