@@ -3,6 +3,8 @@ synthetic view is photo-like for the kernels (runs of one luminance level tens o
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -33,3 +35,36 @@ def test_the_synthetic_view_changes_luminance_level_rarely_along_a_row():
     level = (luma * 7).floor()  # the default grid's 8 levels
     changes = float((level[:, 1:] != level[:, :-1]).float().mean())
     assert 0.001 < changes < 0.1  # neither flat nor noise: runs of about 10 to 1000 pixels
+
+
+class _HostEvent:
+    """A stand-in for torch.cuda.Event on the CPU: the host clock at record()."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, later: _HostEvent) -> float:
+        return (later.at - self.at) * 1e3
+
+
+def test_the_step_timing_drives_the_real_correction(monkeypatch):
+    """The grid_sample path of the step timing on the CPU with host-clock events: the real
+    BilateralAppearance learns (its table leaves identity) and every row is a positive time."""
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = bilateral_cost.parse_args(["--size", "20x36", "--grid", "3x4x5", "--views", "3", "--reps", "2",
+                                      "--warmup", "1", "--profile-steps", "1"])  # fmt: skip
+    cpu = torch.device("cpu")
+    image = bilateral_cost.load_image(None, args.size, cpu)
+    grad_out = torch.randn(image.shape, generator=torch.Generator().manual_seed(0))
+    model = bilateral_cost.build_model(args, False, "shared", cpu)
+    before = model.table.detach().clone()
+    assert tuple(model.table.shape) == (3, 12, 3, 4, 5) and model.tv > 0
+    rows = bilateral_cost.step_rows(args, model, image, grad_out, "grid_sample")
+    rows += bilateral_cost.table_rows(args, model)
+    assert len(rows) == 6 and all(ms > 0 for _, ms in rows)
+    assert not torch.equal(model.table.detach(), before)
+    assert "Name" in bilateral_cost.profile_table(args, model, image, grad_out)
