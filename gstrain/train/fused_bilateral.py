@@ -11,11 +11,12 @@ atomics queue on a few thousand addresses (6.4 ms a step on the H200). A block o
 touches only a few (x, y) cells of the grid, so the backward sums its pixels into a shared-memory
 copy of those cells (every luminance level), a warp whose 32 pixels share one cell first with
 shuffles, then adds each touched entry to the grid once: a few hundred global atomics a block
-instead of 24576. A block whose cells do not fit (a tiny image against a large grid) adds to global
-memory directly: slower, the same sums. The backward recomputes the blend instead of keeping
-[H, W, 12] from the forward, and gives the image's gradient through the transform and through the
-luminance coordinate (zero where that coordinate is clamped at or past the grid's border, as
-grid_sample's is). Nothing is read back to the host (csrc/bilateral.cu).
+instead of 24576 (BACKWARD_VARIANTS: how the block sums its pixels first). A block whose cells do
+not fit (a tiny image against a large grid) adds to global memory directly: slower, the same sums.
+The backward recomputes the blend instead of keeping [H, W, 12] from the forward, and gives the
+image's gradient through the transform and through the luminance coordinate (zero where that
+coordinate is clamped at or past the grid's border, as grid_sample's is). Nothing is read back to
+the host (csrc/bilateral.cu).
 
 The CPU and anything the kernel does not take (another dtype, an empty image) keep grid_sample:
 bilateral_grid.apply_grid asks `fusable` first.

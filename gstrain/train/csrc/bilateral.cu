@@ -11,6 +11,11 @@
 // shuffles first (the common case: smooth regions), so shared atomics are left to the rest. A
 // block whose cells do not fit the shared tile (tiny images against large grids) adds straight
 // to global memory: slower, the same sums.
+//
+// The backward's variants (BilateralBwdVariant) differ only in that summing. Luminance varies
+// from pixel to pixel, so a warp's lanes seldom all share one cell, and the per-pixel shared
+// atomics then pile up on the few addresses of the warp's cells. The run variants sum every run
+// of neighbouring lanes with the same cell by segmented shuffles first, one atomic a run.
 #include "bilateral.h"
 
 #include <cstdint>
