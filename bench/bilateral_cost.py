@@ -8,7 +8,8 @@ Times (CUDA events after warm-up, median of the repetitions, ms):
   - the correction's step as the trainer runs it, through the real BilateralAppearance built from
     the config defaults: `image` (the view's row, the slice) plus its backward, then `after_step`
     (the total-variation gradient of the whole table, the table's Adam step), for each fused
-    backward variant and for grid_sample; `after_step` alone and `regulariser_grad` alone too;
+    backward variant and for grid_sample; `after_step` alone, `regulariser_grad` alone, and Adam
+    on a table-sized parameter (torch's default and fused=True) too;
     and the host's wall time a step (a launch-bound step shows wall above the device's time).
 Then a torch.profiler table (top CUDA kernels by self time) of a few of those steps.
 
@@ -208,6 +209,15 @@ def table_rows(args, model) -> list[tuple[str, float]]:
             pairs.append((start, end))
     torch.cuda.synchronize()
     rows.append(("after_step alone (TV grad + Adam step)", _median_ms(pairs)))
+    # Adam on a table-sized parameter: torch's default implementation (what the table uses) beside
+    # fused=True (one kernel), to tell what a switch would save
+    for label, options in (("default", {}), ("fused=True", {"fused": True})):
+        if options and not model.table.is_cuda:
+            continue
+        param = torch.nn.Parameter(model.table.detach().clone())
+        param.grad = grad.clone()
+        adam = torch.optim.Adam([param], lr=model.lr, eps=1e-15, **options)
+        rows.append((f"Adam step on the table alone, {label}", time_calls(adam.step, args.reps, args.warmup)))
     return rows
 
 

@@ -65,6 +65,6 @@ def test_the_step_timing_drives_the_real_correction(monkeypatch):
     assert tuple(model.table.shape) == (3, 12, 3, 4, 5) and model.tv > 0
     rows = bilateral_cost.step_rows(args, model, image, grad_out, "grid_sample")
     rows += bilateral_cost.table_rows(args, model)
-    assert len(rows) == 6 and all(ms > 0 for _, ms in rows)
+    assert len(rows) == 7 and all(ms > 0 for _, ms in rows)
     assert not torch.equal(model.table.detach(), before)
     assert "Name" in bilateral_cost.profile_table(args, model, image, grad_out)
