@@ -13,7 +13,7 @@ from cli_util import assert_one_error, call_cli
 
 from gstrain import extensions
 from gstrain.config import build_config
-from gstrain.train import bilateral_grid
+from gstrain.train import bilateral_grid, fused_bilateral
 from gstrain.train.appearance import build_corrections
 from gstrain.train.bilateral_grid import apply_grid, identity_grids
 from gstrain.train.step import StepView
@@ -78,8 +78,8 @@ def test_the_wrapper_passes_the_kernels_their_inputs_and_routes_their_gradients(
         with torch.no_grad():
             return reference(image, grid, valid)
 
-    def bwd(image, grid, valid, grad_out, r, g, b):
-        calls.append(("bwd", valid, (r, g, b), grad_out.is_contiguous()))
+    def bwd(image, grid, valid, grad_out, r, g, b, variant):
+        calls.append(("bwd", valid, (r, g, b), grad_out.is_contiguous(), variant))
         with torch.enable_grad():
             image, grid = image.detach().requires_grad_(), grid.detach().requires_grad_()
             return list(torch.autograd.grad(reference(image, grid, valid), (image, grid), grad_out))
@@ -99,6 +99,15 @@ def test_the_wrapper_passes_the_kernels_their_inputs_and_routes_their_gradients(
     assert [c[0] for c in calls] == ["fwd", "bwd"]
     assert all(c[2] == luma and c[3] for c in calls), calls
     assert all(c[1].dtype == torch.int32 and torch.equal(c[1], valid) for c in calls)
+    assert calls[1][4] == 0  # the default backward: csrc/bilateral.h's kBilateralBwdShared
+
+    # a named backward variant reaches the kernel as its index in bilateral.h's enum
+    calls.clear()
+    x = image.clone().requires_grad_()
+    fused_bilateral.fused_apply_grid(x, grid, None, luma, backward="row_runs").sum().backward()
+    assert calls[1][4] == 2
+    with pytest.raises(ValueError, match="'fastest'.*shared, warp_runs, row_runs"):
+        fused_bilateral.fused_apply_grid(image, grid, None, luma, backward="fastest")
 
 
 def test_a_bad_fused_bilateral_value_is_one_line(demo_scene, tmp_path):

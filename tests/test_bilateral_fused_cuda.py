@@ -1,10 +1,11 @@
 """dev.fused_bilateral's kernels (gstrain/train/csrc/bilateral.cu) against the F.grid_sample path:
 the output and both gradients on odd image sizes and several grids (ones whose blocks take the
 shared-memory tile, with and without the warp's shuffle sum, and ones that fall back to global
-atomics), with and without a canvas `valid`, pixels whose luminance is exactly 0, below 0 and above 1;
-inside a captured CUDA graph (valid read on the device); and eager training runs with the switch
-on and off. The reference is the grid_sample path in float64, so it is independent of float32
-summation order. Run by bench/gpu_tests.sh."""
+atomics) for every backward variant (fused_bilateral.BACKWARD_VARIANTS), with and without a canvas
+`valid`, pixels whose luminance is exactly 0, below 0 and above 1, smooth ramps (runs of one cell
+of many lengths within a warp); inside a captured CUDA graph (valid read on the device); and eager
+training runs with the switch on and off. The reference is the grid_sample path in float64, so it
+is independent of float32 summation order. Run by bench/gpu_tests.sh."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from test_appearance_graph_cuda import MODELS, _exposed, _same_losses, _same_tab
 
 from bench.graph_cases import graph_trainer
 from gstrain.data.colmap import load_scene
-from gstrain.train.bilateral_grid import apply_grid, identity_grids
-from gstrain.train.fused_bilateral import fusable
+from gstrain.train.bilateral_grid import LUMA_B, LUMA_G, LUMA_R, apply_grid, identity_grids
+from gstrain.train.fused_bilateral import BACKWARD_VARIANTS, DEFAULT_BACKWARD, fusable, fused_apply_grid
 
 pytestmark = pytest.mark.cuda
 
@@ -53,18 +54,23 @@ def _grid(levels_y_x: tuple[int, int, int], seed: int) -> torch.Tensor:
 
 
 def _run(image: torch.Tensor, grid: torch.Tensor, grad_out: torch.Tensor, valid: torch.Tensor | None,
-         fused: bool) -> list[torch.Tensor]:  # fmt: skip
-    """[output, d/d image, d/d grid] of sum(output * grad_out)."""
+         fused: bool, backward: str = DEFAULT_BACKWARD) -> list[torch.Tensor]:  # fmt: skip
+    """[output, d/d image, d/d grid] of sum(output * grad_out); fused: the kernels with that backward
+    variant (the default one through apply_grid, as the trainer calls it)."""
     image, grid = image.clone().requires_grad_(), grid.clone().requires_grad_()
-    out = apply_grid(image, grid, valid, fused=fused)
+    if fused and backward != DEFAULT_BACKWARD:
+        out = fused_apply_grid(image, grid, valid, (LUMA_R, LUMA_G, LUMA_B), backward)
+    else:
+        out = apply_grid(image, grid, valid, fused=fused)
     return [out.detach(), *torch.autograd.grad(out, (image, grid), grad_out)]
 
 
-def _check(image: torch.Tensor, grid: torch.Tensor, valid: torch.Tensor | None, seed: int) -> None:
+def _check(image: torch.Tensor, grid: torch.Tensor, valid: torch.Tensor | None, seed: int,
+           backward: str = DEFAULT_BACKWARD) -> None:  # fmt: skip
     image, grid = image.to(CUDA), grid.to(CUDA)
     assert fusable(image, grid)
     grad_out = torch.randn(image.shape, generator=torch.Generator().manual_seed(seed)).to(CUDA)
-    got = _run(image, grid, grad_out, valid, fused=True)
+    got = _run(image, grid, grad_out, valid, fused=True, backward=backward)
     want = _run(image.double(), grid.double(), grad_out.double(), valid, fused=False)  # grid_sample, float64
     for name, a, b in zip(("output", "image gradient", "grid gradient"), got, want, strict=True):
         scale = float(b.abs().max()) + 1e-12
@@ -74,21 +80,38 @@ def _check(image: torch.Tensor, grid: torch.Tensor, valid: torch.Tensor | None, 
         assert err <= 5e-5 * scale + 1e-6, (name, err, scale)
 
 
+@pytest.mark.parametrize("backward", BACKWARD_VARIANTS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_kernels_compute_grid_samples_function_and_gradients(case):
+def test_the_kernels_compute_grid_samples_function_and_gradients(case, backward):
     height, width, cells = CASES[case]
-    _check(_image(height, width, 0), _grid(cells, 1), None, 2)
+    _check(_image(height, width, 0), _grid(cells, 1), None, 2, backward)
 
 
+@pytest.mark.parametrize("backward", BACKWARD_VARIANTS)
 @pytest.mark.parametrize("case", ["default grid, odd size", "large image: tiles, warp sums", "uneven small grid",
                                   "tiny image, largest x/y: global"])  # fmt: skip
-def test_on_a_canvas_the_kernels_slice_by_the_valid_size(case):
+def test_on_a_canvas_the_kernels_slice_by_the_valid_size(case, backward):
     """The view in the top-left (width, height) of a larger canvas; the pixels past it sit at the
     grid's last cells, as grid_sample's border clamping puts them."""
     height, width, cells = CASES[case]
     canvas = _image(height + 13, width + 30, 3)
     valid = torch.tensor([width, height], dtype=torch.int32, device=CUDA)
-    _check(canvas, _grid(cells, 4), valid, 5)
+    _check(canvas, _grid(cells, 4), valid, 5, backward)
+
+
+@pytest.mark.parametrize("backward", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("cells", [(8, 16, 16), (4, 64, 64)])
+def test_smooth_ramps_give_runs_of_every_length_within_a_warp(cells, backward):
+    """A photo-like image: luminance ramps along x at rates that change the level every few to
+    every few hundred pixels, so warps hold runs of one cell of many lengths (the segmented sums'
+    boundaries), plus a few isolated outliers that split runs."""
+    height, width = 96, 700
+    xs = torch.arange(width, dtype=torch.float32)
+    rates = torch.logspace(-3.5, -0.5, height)[:, None]  # luminance per pixel, row by row
+    ramp = (0.5 + 0.45 * torch.sin(xs[None, :] * rates * 6.0)).unsqueeze(-1)
+    image = ramp * torch.tensor([0.9, 1.0, 1.1])
+    image[::7, ::37] = torch.tensor([1.0, 0.0, 0.5])
+    _check(image, _grid(cells, 12), None, 13, backward)
 
 
 def test_the_guide_gradient_is_zero_where_the_luminance_is_clamped():
@@ -117,7 +140,8 @@ def test_the_guide_gradient_is_zero_where_the_luminance_is_clamped():
     torch.testing.assert_close(grad[0, 3].cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_kernels_run_in_a_cuda_graph_and_read_valid_on_the_device():
+@pytest.mark.parametrize("backward", BACKWARD_VARIANTS)
+def test_the_kernels_run_in_a_cuda_graph_and_read_valid_on_the_device(backward):
     """Forward and backward captured once, replayed with other pixels, grid and valid size: the
     replay's results are the eager kernels' on those inputs (nothing was frozen on the host)."""
     height, width, cells = 45, 77, (8, 16, 16)
@@ -127,7 +151,7 @@ def test_the_kernels_run_in_a_cuda_graph_and_read_valid_on_the_device():
     valid = torch.tensor([width, height], dtype=torch.int32, device=CUDA)
 
     def step() -> list[torch.Tensor]:
-        out = apply_grid(image, grid, valid, fused=True)
+        out = fused_apply_grid(image, grid, valid, (LUMA_R, LUMA_G, LUMA_B), backward)
         return [out, *torch.autograd.grad(out, (image, grid), grad_out)]
 
     side = torch.cuda.Stream()
@@ -148,7 +172,7 @@ def test_the_kernels_run_in_a_cuda_graph_and_read_valid_on_the_device():
     eager = step()
     for a, b in zip(captured, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    _check(image.detach(), grid.detach(), valid, 11)  # and the new valid size is the one sliced by
+    _check(image.detach(), grid.detach(), valid, 11, backward)  # and the new valid size is the one sliced by
 
 
 def test_eager_training_with_the_kernels_follows_grid_sample(demo_scene, tmp_path):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gstrain.train.fused_bilateral import fusable, fused_apply_grid, prepare
+from gstrain.train.fused_bilateral import DEFAULT_BACKWARD, fusable, fused_apply_grid, prepare
 from gstrain.train.view_table import ViewTable
 
 # Rec. 601 luma: the guide the grid is sliced by (the weights a camera's tone mapping sees)
@@ -72,11 +72,13 @@ def slice_grid(grid: Tensor, image: Tensor, valid: Tensor | None = None) -> Tens
     return blended[0, :, 0].permute(1, 2, 0).reshape(height, width, 3, 4)
 
 
-def apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None = None, fused: bool = False) -> Tensor:
+def apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None = None, fused: bool = False,
+               backward: str = DEFAULT_BACKWARD) -> Tensor:  # fmt: skip
     """A(x, y, lum) @ rgb + b(x, y, lum) per pixel: image [H, W, 3], grid [12, L, Y, X] (valid: as
-    slice_grid). fused: the fused kernels where they take the inputs (float32 CUDA), else grid_sample."""
+    slice_grid). fused: the fused kernels where they take the inputs (float32 CUDA), else grid_sample;
+    backward: the kernels' backward variant (fused_bilateral.BACKWARD_VARIANTS)."""
     if fused and fusable(image, grid):
-        return fused_apply_grid(image, grid, valid, (LUMA_R, LUMA_G, LUMA_B))
+        return fused_apply_grid(image, grid, valid, (LUMA_R, LUMA_G, LUMA_B), backward)
     transform = slice_grid(grid, image, valid)
     return (transform[..., :3] * image[..., None, :]).sum(-1) + transform[..., 3]
 
@@ -106,17 +108,20 @@ def total_variation_grad(table: Tensor, weight: float) -> Tensor:
 class BilateralAppearance(ViewTable):
     """The per-image bilateral grids of the training views (a corrections.ViewCorrection,
     graph-safe; train/view_table.py), grid = (L, Y, X) cells, TV weight `tv`; fused: slice with
-    the fused kernels on a GPU (dev.fused_bilateral)."""
+    the fused kernels on a GPU (dev.fused_bilateral), their backward variant `backward`
+    (fused_bilateral.BACKWARD_VARIANTS; bench/bilateral_cost.py times them)."""
 
     def __init__(self, n_views: int, grid: tuple[int, int, int], device: torch.device, lr: float,
-                 decay: float = 0.0, start: int = 0, tv: float = 0.0, fused: bool = False) -> None:  # fmt: skip
+                 decay: float = 0.0, start: int = 0, tv: float = 0.0, fused: bool = False,
+                 backward: str = DEFAULT_BACKWARD) -> None:  # fmt: skip
         # the pull toward identity: one identity grid, broadcast over the views
         super().__init__(identity_grids(n_views, grid, device), identity_grids(1, grid, device), lr, decay, start)
         self.tv = float(tv)
         self.fused = prepare(device, fused)
+        self.backward = backward
 
     def apply(self, image: Tensor, row: Tensor, valid: Tensor | None = None) -> Tensor:
-        return apply_grid(image, row, valid, self.fused)
+        return apply_grid(image, row, valid, self.fused, self.backward)
 
     def regulariser_grad(self) -> Tensor | None:
         if not self.tv:

@@ -11,11 +11,12 @@ atomics queue on a few thousand addresses (6.4 ms a step on the H200). A block o
 touches only a few (x, y) cells of the grid, so the backward sums its pixels into a shared-memory
 copy of those cells (every luminance level), a warp whose 32 pixels share one cell first with
 shuffles, then adds each touched entry to the grid once: a few hundred global atomics a block
-instead of 24576. A block whose cells do not fit (a tiny image against a large grid) adds to global
-memory directly: slower, the same sums. The backward recomputes the blend instead of keeping
-[H, W, 12] from the forward, and gives the image's gradient through the transform and through the
-luminance coordinate (zero where that coordinate is clamped at or past the grid's border, as
-grid_sample's is). Nothing is read back to the host (csrc/bilateral.cu).
+instead of 24576 (BACKWARD_VARIANTS: how the block sums its pixels first). A block whose cells do
+not fit (a tiny image against a large grid) adds to global memory directly: slower, the same sums.
+The backward recomputes the blend instead of keeping [H, W, 12] from the forward, and gives the
+image's gradient through the transform and through the luminance coordinate (zero where that
+coordinate is clamped at or past the grid's border, as grid_sample's is). Nothing is read back to
+the host (csrc/bilateral.cu).
 
 The CPU and anything the kernel does not take (another dtype, an empty image) keep grid_sample:
 bilateral_grid.apply_grid asks `fusable` first.
@@ -31,23 +32,33 @@ from torch.autograd.function import once_differentiable
 
 from gstrain import extensions
 
+# The backward's ways of summing a block's pixels into the grid's gradient, in the order of
+# csrc/bilateral.h's BilateralBwdVariant (the index is what the kernel takes). The same sums up to
+# float rounding; bench/bilateral_cost.py times them side by side.
+BACKWARD_VARIANTS = (
+    "shared",  # shared-memory atomics per pixel; a warp whose 32 pixels share one cell sums by shuffles
+    "warp_runs",  # lanes in runs of one cell sum by segmented shuffles; one atomic a run
+    "row_runs",  # as warp_runs, the row's common y weight factored out: half the shuffles
+)
+DEFAULT_BACKWARD = "shared"
+
 
 class _FusedBilateral(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, image: Tensor, grid: Tensor, valid: Tensor | None,
-                luma: tuple[float, float, float]) -> Tensor:  # fmt: skip
+                luma: tuple[float, float, float], variant: int) -> Tensor:  # fmt: skip
         ctx.save_for_backward(image, grid)
-        ctx.valid, ctx.luma = valid, luma
+        ctx.valid, ctx.luma, ctx.variant = valid, luma, variant
         return extensions.bilateral().bilateral_fwd(image, grid, valid, *luma)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         image, grid = ctx.saved_tensors
         grad_image, grad_grid = extensions.bilateral().bilateral_bwd(image, grid, ctx.valid, grad.contiguous(),
-                                                                     *ctx.luma)  # fmt: skip
+                                                                     *ctx.luma, ctx.variant)  # fmt: skip
         return (grad_image if ctx.needs_input_grad[0] else None,
-                grad_grid if ctx.needs_input_grad[1] else None, None, None)  # fmt: skip
+                grad_grid if ctx.needs_input_grad[1] else None, None, None, None)  # fmt: skip
 
 
 def fusable(image: Tensor, grid: Tensor) -> bool:
@@ -61,13 +72,16 @@ def fusable(image: Tensor, grid: Tensor) -> bool:
     )  # fmt: skip
 
 
-def fused_apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None,
-                     luma: tuple[float, float, float]) -> Tensor:  # fmt: skip
+def fused_apply_grid(image: Tensor, grid: Tensor, valid: Tensor | None, luma: tuple[float, float, float],
+                     backward: str = DEFAULT_BACKWARD) -> Tensor:  # fmt: skip
     """A(x, y, g) @ rgb + b(x, y, g) per pixel by the kernels (inputs `fusable`); luma: the guide's
-    (R, G, B) weights, which bilateral_grid owns."""
+    (R, G, B) weights, which bilateral_grid owns; backward: one of BACKWARD_VARIANTS."""
+    if backward not in BACKWARD_VARIANTS:
+        raise ValueError(f"bilateral backward variant {backward!r}; known: {', '.join(BACKWARD_VARIANTS)}")
     if valid is not None:
         valid = valid.to(device=image.device, dtype=torch.int32).contiguous()
-    return _FusedBilateral.apply(image.contiguous(), grid.contiguous(), valid, tuple(float(w) for w in luma))
+    return _FusedBilateral.apply(image.contiguous(), grid.contiguous(), valid, tuple(float(w) for w in luma),
+                                 BACKWARD_VARIANTS.index(backward))  # fmt: skip
 
 
 def prepare(device: torch.device, fused: bool) -> bool:

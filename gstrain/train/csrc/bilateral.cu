@@ -11,6 +11,11 @@
 // shuffles first (the common case: smooth regions), so shared atomics are left to the rest. A
 // block whose cells do not fit the shared tile (tiny images against large grids) adds straight
 // to global memory: slower, the same sums.
+//
+// The backward's variants (BilateralBwdVariant) differ only in that summing. Luminance varies
+// from pixel to pixel, so a warp's lanes seldom all share one cell, and the per-pixel shared
+// atomics then pile up on the few addresses of the warp's cells. The run variants sum every run
+// of neighbouring lanes with the same cell by segmented shuffles first, one atomic a run.
 #include "bilateral.h"
 
 #include <cstdint>
@@ -166,9 +171,49 @@ __device__ __forceinline__ int tile_index(const BilateralDims &d, const BlockCel
     return ((k * d.levels + z) * b.ny + (y - b.y_lo)) * b.nx + (x - b.x_lo);
 }
 
-__global__ void bilateral_bwd_kernel(const BilateralDims d, const int tile_cells, const float *__restrict__ image,
-                                     const float *__restrict__ grid, const float *__restrict__ grad_out,
-                                     float *__restrict__ grad_image, float *__restrict__ grad_grid) {
+// A warp's run of neighbouring lanes that share one key (the pixel's lower cell, so all 8 corners):
+// the run's last lane, whether this lane starts its run, and the warp's longest run (how many
+// shuffle steps a sum over every run needs).
+struct WarpRun {
+    int end;
+    bool head;
+    int longest;
+};
+
+__device__ __forceinline__ WarpRun warp_run_of(const int key) {
+    const int lane = threadIdx.x;
+    const int next = __shfl_down_sync(kFullMask, key, 1);
+    const int prev = __shfl_up_sync(kFullMask, key, 1);
+    const unsigned tails = __ballot_sync(kFullMask, lane == kTileX - 1 || next != key);
+    WarpRun r;
+    r.end = __ffs(tails & (kFullMask << lane)) - 1;
+    r.head = lane == 0 || prev != key;
+    int longest = r.end - lane + 1;
+#pragma unroll
+    for (int step = 16; step > 0; step >>= 1) longest = max(longest, __shfl_xor_sync(kFullMask, longest, step));
+    r.longest = longest;
+    return r;
+}
+
+// The sum of v over this lane's run from this lane to the run's end (the head lane: the whole run):
+// a segmented suffix sum, log2(longest run) shuffles; every lane of the warp must call it.
+__device__ __forceinline__ float run_sum(float v, const WarpRun &r) {
+#pragma unroll
+    for (int step = 1; step < kTileX; step <<= 1) {
+        if (step >= r.longest) break; // warp-uniform
+        const float other = __shfl_down_sync(kFullMask, v, step);
+        if ((int)threadIdx.x + step <= r.end) v += other;
+    }
+    return v;
+}
+
+// Backward variants (BilateralBwdVariant in bilateral.h): how a block sums its pixels' grid
+// gradient before the single add per touched entry.
+template <int kVariant>
+__device__ __forceinline__ void bilateral_bwd_block(const BilateralDims &d, const int tile_cells,
+                                                    const float *__restrict__ image, const float *__restrict__ grid,
+                                                    const float *__restrict__ grad_out, float *__restrict__ grad_image,
+                                                    float *__restrict__ grad_grid) {
     extern __shared__ float tile[]; // [12, levels, ny, nx] when the block's cells fit (use_tile)
     const ViewScale s = view_scale(d);
     const BlockCells cells = block_cells(d, s);
@@ -238,7 +283,47 @@ __global__ void bilateral_bwd_kernel(const BilateralDims d, const int tile_cells
         }
     }
 
-    if (!use_tile) { // cells too many for the tile: straight to the grid
+    if (kVariant != kBilateralBwdShared) {
+        // Lanes in a run of equal lower cells (smooth luminance: most of a row) sum with shuffles;
+        // only the run's head adds, so an address takes one add per run instead of one per pixel
+        // (shared float atomics on one address serialise across the warp's lanes).
+        const WarpRun run = warp_run_of(inside ? offset[0] : -1 - (int)threadIdx.x); // outside: own run
+        const bool adds = run.head && inside;
+        const int stride = use_tile ? d.levels * cells.ny * cells.nx : (int)entry; // entry k to k + 1
+        float *target = use_tile ? tile : grad_grid;
+        int base[kCorners];
+#pragma unroll
+        for (int c = 0; c < kCorners; ++c) {
+            const int x = (c & 1) ? p.x1 : p.x0, y = (c & 2) ? p.y1 : p.y0, z = (c & 4) ? p.z1 : p.z0;
+            base[c] = !adds ? 0 : use_tile ? tile_index(d, cells, 0, z, y, x) : offset[c];
+        }
+        if (kVariant == kBilateralBwdWarpRuns) {
+#pragma unroll
+            for (int k = 0; k < kCoeffs; ++k) {
+#pragma unroll
+                for (int c = 0; c < kCorners; ++c) {
+                    const float v = run_sum(weight[c] * dcoeff[k], run);
+                    if (adds) atomicAdd(target + base[c] + k * stride, v);
+                }
+            }
+        } else { // kBilateralBwdRowRuns: a warp is one row, so the y weight is common to its lanes
+            const float wy[2] = {1.0f - p.fy, p.fy};
+#pragma unroll
+            for (int k = 0; k < kCoeffs; ++k) {
+#pragma unroll
+                for (int c = 0; c < kCorners; ++c) {
+                    if (c & 2) continue; // the y-upper corner shares the sum with its y-lower one
+                    const float wxz = ((c & 1) ? p.fx : 1.0f - p.fx) * ((c & 4) ? p.fz : 1.0f - p.fz);
+                    const float v = run_sum(wxz * dcoeff[k], run);
+                    if (adds) {
+                        atomicAdd(target + base[c] + k * stride, v * wy[0]);
+                        atomicAdd(target + base[c | 2] + k * stride, v * wy[1]);
+                    }
+                }
+            }
+        }
+        if (!use_tile) return; // block-uniform: no thread of this block waits at a barrier
+    } else if (!use_tile) { // cells too many for the tile: straight to the grid
         if (inside) {
 #pragma unroll
             for (int k = 0; k < kCoeffs; ++k) {
@@ -251,7 +336,7 @@ __global__ void bilateral_bwd_kernel(const BilateralDims d, const int tile_cells
 
     // A warp (one row of 32 pixels) whose pixels share one lower cell sums with shuffles.
     const unsigned lanes_in = __ballot_sync(kFullMask, inside);
-    if (lanes_in != 0) {
+    if (kVariant == kBilateralBwdShared && lanes_in != 0) {
         const int leader = __ffs(lanes_in) - 1;
         const int key = inside ? offset[0] : -1; // the lower corner's offset names all 8 corners
         const int leader_key = __shfl_sync(kFullMask, key, leader);
@@ -299,6 +384,22 @@ __global__ void bilateral_bwd_kernel(const BilateralDims d, const int tile_cells
     }
 }
 
+__global__ void bilateral_bwd_kernel(const BilateralDims d, const int tile_cells, const float *__restrict__ image,
+                                     const float *__restrict__ grid, const float *__restrict__ grad_out,
+                                     float *__restrict__ grad_image, float *__restrict__ grad_grid) {
+    bilateral_bwd_block<kBilateralBwdShared>(d, tile_cells, image, grid, grad_out, grad_image, grad_grid);
+}
+
+// The run variants fit 80 registers without spilling (sm_90, ptxas -v): 3 blocks an SM instead of
+// the 2 that 96 registers allow.
+template <int kVariant>
+__global__ void __launch_bounds__(kThreads, 3)
+    bilateral_bwd_runs_kernel(const BilateralDims d, const int tile_cells, const float *__restrict__ image,
+                              const float *__restrict__ grid, const float *__restrict__ grad_out,
+                              float *__restrict__ grad_image, float *__restrict__ grad_grid) {
+    bilateral_bwd_block<kVariant>(d, tile_cells, image, grid, grad_out, grad_image, grad_grid);
+}
+
 dim3 blocks_of(const BilateralDims &d) {
     return dim3((unsigned)((d.width + kTileX - 1) / kTileX), (unsigned)((d.height + kTileY - 1) / kTileY));
 }
@@ -313,17 +414,29 @@ cudaError_t launch_bilateral_fwd(const BilateralDims &d, const float *image, con
 }
 
 cudaError_t launch_bilateral_bwd(const BilateralDims &d, const float *image, const float *grid, const float *grad_out,
-                                 float *grad_image, float *grad_grid, cudaStream_t stream) {
+                                 float *grad_image, float *grad_grid, const int variant, cudaStream_t stream) {
     if (d.width <= 0 || d.height <= 0) return cudaSuccess;
+    if (variant < 0 || variant >= kBilateralBwdVariants) return cudaErrorInvalidValue;
     // as many (x, y) cells (every level each) as kTileCells and the shared budget allow; 0: none,
     // every block adds to the grid directly
     const int per_cell = kCoeffs * d.levels * (int)sizeof(float);
     int tile_cells = kSharedBytes / per_cell;
     if (tile_cells > kTileCells) tile_cells = kTileCells;
     const size_t shared = tile_cells > 0 ? (size_t)tile_cells * per_cell : 0;
-    bilateral_bwd_kernel<<<blocks_of(d), dim3(kTileX, kTileY), shared, stream>>>(
-        d, tile_cells, image, grid, grad_out, grad_image, grad_grid
-    );
+    const dim3 blocks = blocks_of(d), threads(kTileX, kTileY);
+    if (variant == kBilateralBwdWarpRuns) {
+        bilateral_bwd_runs_kernel<kBilateralBwdWarpRuns><<<blocks, threads, shared, stream>>>(
+            d, tile_cells, image, grid, grad_out, grad_image, grad_grid
+        );
+    } else if (variant == kBilateralBwdRowRuns) {
+        bilateral_bwd_runs_kernel<kBilateralBwdRowRuns><<<blocks, threads, shared, stream>>>(
+            d, tile_cells, image, grid, grad_out, grad_image, grad_grid
+        );
+    } else {
+        bilateral_bwd_kernel<<<blocks, threads, shared, stream>>>(
+            d, tile_cells, image, grid, grad_out, grad_image, grad_grid
+        );
+    }
     return cudaGetLastError();
 }
 

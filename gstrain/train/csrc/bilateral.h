@@ -28,9 +28,19 @@ struct BilateralDims {
 cudaError_t launch_bilateral_fwd(const BilateralDims &d, const float *image, const float *grid, float *out,
                                  cudaStream_t stream);
 
+// How the backward sums a block's pixels into the grid's gradient (the same sums, up to float
+// rounding; kept side by side so one benchmark times them):
+enum BilateralBwdVariant {
+    kBilateralBwdShared = 0,   // shared-memory atomics per pixel; a warp all in one cell sums by shuffles
+    kBilateralBwdWarpRuns = 1, // lanes in runs of one cell sum by segmented shuffles; one atomic a run
+    kBilateralBwdRowRuns = 2,  // as 1, the row's common y weight factored out: half the shuffles
+    kBilateralBwdVariants = 3,
+};
+
 // grad_image [height, width, 3] (written, through the transform and through the guide) and
-// grad_grid [12, levels, cells_y, cells_x] (added to: the caller zeroes it) for upstream grad_out.
+// grad_grid [12, levels, cells_y, cells_x] (added to: the caller zeroes it) for upstream grad_out;
+// variant: a BilateralBwdVariant (cudaErrorInvalidValue otherwise).
 cudaError_t launch_bilateral_bwd(const BilateralDims &d, const float *image, const float *grid, const float *grad_out,
-                                 float *grad_image, float *grad_grid, cudaStream_t stream);
+                                 float *grad_image, float *grad_grid, int variant, cudaStream_t stream);
 
 } // namespace gstrain

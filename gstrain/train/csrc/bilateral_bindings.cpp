@@ -64,18 +64,20 @@ at::Tensor bilateral_fwd(const at::Tensor &image, const at::Tensor &grid, const 
     return out;
 }
 
-// [grad_image [H, W, 3], grad_grid [12, L, Y, X]] for the upstream gradient grad_out [H, W, 3].
+// [grad_image [H, W, 3], grad_grid [12, L, Y, X]] for the upstream gradient grad_out [H, W, 3];
+// variant: a BilateralBwdVariant (bilateral.h).
 std::vector<at::Tensor> bilateral_bwd(const at::Tensor &image, const at::Tensor &grid,
                                       const std::optional<at::Tensor> &valid, const at::Tensor &grad_out,
-                                      double luma_r, double luma_g, double luma_b) {
+                                      double luma_r, double luma_g, double luma_b, int64_t variant) {
     const BilateralDims d = dims_of(image, grid, valid, luma_r, luma_g, luma_b);
     check_float_cuda(grad_out, "grad_out", image.device());
     TORCH_CHECK(grad_out.sizes() == image.sizes(), "grad_out must have the image's shape");
+    TORCH_CHECK(variant >= 0 && variant < kBilateralBwdVariants, "unknown bilateral backward variant ", variant);
     const c10::cuda::CUDAGuard guard(image.device());
     at::Tensor grad_image = at::empty_like(image);
     at::Tensor grad_grid = at::zeros_like(grid); // the kernel adds into it
     check_cuda(launch_bilateral_bwd(d, image.data_ptr<float>(), grid.data_ptr<float>(), grad_out.data_ptr<float>(),
-                                    grad_image.data_ptr<float>(), grad_grid.data_ptr<float>(),
+                                    grad_image.data_ptr<float>(), grad_grid.data_ptr<float>(), (int)variant,
                                     c10::cuda::getCurrentCUDAStream().stream()),
                "bilateral grid backward");
     return {grad_image, grad_grid};
