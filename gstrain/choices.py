@@ -26,6 +26,12 @@ DECODE_IN = ("processes", "threads")  # dev.decode_in: who decodes data.images_o
 # training image (exposure and white balance; gstrain/train/appearance.py), or a learned bilateral
 # grid of them per training image (also vignetting, tone curves; gstrain/train/bilateral_grid.py)
 APPEARANCE_MODES = ("none", "affine", "bilateral")
+# dev.bilateral_backward: how the fused bilateral backward sums a block's pixels into the grid's
+# gradient (the same sums up to float rounding; bench/bilateral_cost.py times them), in the order
+# of gstrain/train/csrc/bilateral.h's BilateralBwdVariant: shared-memory atomics per pixel (a warp
+# whose 32 pixels share one cell sums by shuffles first); lanes in runs of one cell summed by
+# segmented shuffles, one atomic a run; as that, with the row's common y weight factored out
+BILATERAL_BACKWARDS = ("shared", "warp_runs", "row_runs")
 PARTITIONS = ("locality", "random", "round_robin", "views")  # who owns which Gaussian (distributed/partition.py)
 # optim.moments: how Adam keeps its two moments for the Gaussians' parameters: float32, bfloat16
 # with stochastic rounding (half the bytes; gstrain/train/bf16_moments.py), or int8: shN's in 8 bits

@@ -9,6 +9,7 @@ from gstrain.choices import (
     APPEARANCE_MODES,
     ATOMIC_MODES,
     BACKENDS,
+    BILATERAL_BACKWARDS,
     COMPRESSIONS,
     DECODE_IN,
     DEVICES,
@@ -49,6 +50,7 @@ def validate(cfg: Config) -> Config:
     choice(cfg.data.mask_mode, MASK_MODES, "data.mask_mode")
     choice(cfg.data.images_on, IMAGES_ON, "data.images_on")
     choice(cfg.dev.decode_in, DECODE_IN, "dev.decode_in")
+    choice(cfg.dev.bilateral_backward, BILATERAL_BACKWARDS, "dev.bilateral_backward")
     choice(cfg.train.appearance, APPEARANCE_MODES, "train.appearance")
     if cfg.train.appearance_lr <= 0 or cfg.train.appearance_decay < 0 or cfg.train.appearance_start < 0:
         raise UserError("train.appearance_lr must be > 0, train.appearance_decay and train.appearance_start >= 0; "

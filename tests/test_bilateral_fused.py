@@ -115,3 +115,10 @@ def test_a_bad_fused_bilateral_value_is_one_line(demo_scene, tmp_path):
                          "--set", "train.appearance=bilateral", "--set", "dev.fused_bilateral=sometimes")  # fmt: skip
     assert_one_error(code, err, "dev.fused_bilateral", "true/false", "sometimes")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_bilateral_backward_is_one_line(demo_scene, tmp_path):
+    code, err = call_cli("fit", demo_scene, "--out", tmp_path / "run", "--steps", "2", "--device", "cpu",
+                         "--set", "dev.bilateral_backward=fastest")  # fmt: skip
+    assert_one_error(code, err, "dev.bilateral_backward must be one of shared, warp_runs, row_runs", "fastest")
+    assert not (tmp_path / "run").exists()

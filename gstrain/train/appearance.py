@@ -96,7 +96,7 @@ def build_corrections(cfg: Any, n_views: int, device: torch.device) -> list[Any]
     if t.appearance == "bilateral":
         grid = (t.bilateral_grid_luma, t.bilateral_grid_y, t.bilateral_grid_x)
         return [BilateralAppearance(n_views, grid, device, t.appearance_lr, t.appearance_decay, t.appearance_start,
-                                    t.bilateral_tv, cfg.dev.fused_bilateral)]  # fmt: skip
+                                    t.bilateral_tv, cfg.dev.fused_bilateral, cfg.dev.bilateral_backward)]  # fmt: skip
     return []
 
 

@@ -31,15 +31,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gstrain import extensions
+from gstrain.choices import BILATERAL_BACKWARDS as BACKWARD_VARIANTS
 
-# The backward's ways of summing a block's pixels into the grid's gradient, in the order of
-# csrc/bilateral.h's BilateralBwdVariant (the index is what the kernel takes). The same sums up to
-# float rounding; bench/bilateral_cost.py times them side by side.
-BACKWARD_VARIANTS = (
-    "shared",  # shared-memory atomics per pixel; a warp whose 32 pixels share one cell sums by shuffles
-    "warp_runs",  # lanes in runs of one cell sum by segmented shuffles; one atomic a run
-    "row_runs",  # as warp_runs, the row's common y weight factored out: half the shuffles
-)
+# the backward variant (choices.BILATERAL_BACKWARDS, in the order of csrc/bilateral.h's
+# BilateralBwdVariant: the index is what the kernel takes) when none is named
 DEFAULT_BACKWARD = "shared"
 
 
