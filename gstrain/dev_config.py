@@ -34,7 +34,7 @@ class DevConfig:
     # train.appearance=bilateral's slice-and-apply in one kernel each way (gstrain/train/fused_bilateral.py)
     # instead of F.grid_sample, whose backward adds every pixel into the small grid with global atomics
     fused_bilateral: bool = True
-    bilateral_backward: str = "shared"  # its backward's way of summing into the grid (choices.BILATERAL_BACKWARDS)
+    bilateral_backward: str = "row_runs"  # its backward's way of summing into the grid (choices.BILATERAL_BACKWARDS)
     # replay training steps (one view, or train.batch_size views) as CUDA graphs (our CUDA kernels
     # with ellipse_cull and fused Adam): far less host time a step (gstrain/train/graph_step.py)
     cuda_graphs: bool = True

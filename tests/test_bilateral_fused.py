@@ -99,13 +99,13 @@ def test_the_wrapper_passes_the_kernels_their_inputs_and_routes_their_gradients(
     assert [c[0] for c in calls] == ["fwd", "bwd"]
     assert all(c[2] == luma and c[3] for c in calls), calls
     assert all(c[1].dtype == torch.int32 and torch.equal(c[1], valid) for c in calls)
-    assert calls[1][4] == 0  # the default backward: csrc/bilateral.h's kBilateralBwdShared
+    assert calls[1][4] == 2  # the default backward: csrc/bilateral.h's kBilateralBwdRowRuns
 
     # a named backward variant reaches the kernel as its index in bilateral.h's enum
     calls.clear()
     x = image.clone().requires_grad_()
-    fused_bilateral.fused_apply_grid(x, grid, None, luma, backward="row_runs").sum().backward()
-    assert calls[1][4] == 2
+    fused_bilateral.fused_apply_grid(x, grid, None, luma, backward="shared").sum().backward()
+    assert calls[1][4] == 0
     with pytest.raises(ValueError, match="'fastest'.*shared, warp_runs, row_runs"):
         fused_bilateral.fused_apply_grid(image, grid, None, luma, backward="fastest")
 

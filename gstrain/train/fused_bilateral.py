@@ -35,7 +35,7 @@ from gstrain.choices import BILATERAL_BACKWARDS as BACKWARD_VARIANTS
 
 # the backward variant (choices.BILATERAL_BACKWARDS, in the order of csrc/bilateral.h's
 # BilateralBwdVariant: the index is what the kernel takes) when none is named
-DEFAULT_BACKWARD = "shared"
+DEFAULT_BACKWARD = "row_runs"
 
 
 class _FusedBilateral(torch.autograd.Function):
