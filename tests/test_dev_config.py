@@ -24,7 +24,8 @@ OLD_PLACES = {
     ("dist", "always"): ("always_distributed", True),
 }  # fmt: skip
 # dev keys that never lived anywhere else, with their defaults
-NEW_KEYS = {"adam_in_backward": True, "decode_in": "processes", "fused_bilateral": True, "bilateral_backward": "row_runs"}
+NEW_KEYS = {"adam_in_backward": True, "decode_in": "processes", "fused_bilateral": True,
+            "bilateral_backward": "row_runs"}
 
 
 def test_the_dev_keys_left_the_user_sections():
