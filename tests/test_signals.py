@@ -57,8 +57,8 @@ def full_run(tmp_path_factory: pytest.TempPathFactory, demo_scene: Path) -> dict
     return torch.load(run / "ckpt" / f"step_{STEPS}.pt", weights_only=False)
 
 
-def _resume_matches(run: Path, scene: Path, full: dict) -> None:
-    code, err = call_cli("fit", scene, "--out", run, "--resume", *COMMON)
+def _resume_matches(run: Path, scene: Path, full: dict, *extra: str) -> None:
+    code, err = call_cli("fit", scene, "--out", run, "--resume", *COMMON, *extra)
     assert code == 0, err
     state = torch.load(run / "ckpt" / f"step_{STEPS}.pt", weights_only=False)
     for key in full["params"]:
@@ -115,3 +115,42 @@ def test_ctrl_c_while_starting_is_one_line(demo_scene: Path, tmp_path: Path) -> 
     _interrupted(proc)
     # nothing half-made: no folder, or one a fresh fit or --resume takes up (it has its run.json)
     assert not run.exists() or (run / "run.json").is_file()
+
+
+def _decode_workers_of(pid: int) -> list[int]:
+    """The pids of `pid`'s children running gstrain's decode worker (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"gstrain.data.decode_worker" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_ctrl_c_with_images_from_disk_saves_ends_the_decoders_and_resumes(
+    demo_scene: Path, tmp_path: Path, full_run: dict
+) -> None:
+    """data.images_on=disk decodes in worker processes of their own session, which a terminal's
+    Ctrl-C does not reach: the trainer saves, says so, and its closing ends them; --resume (from
+    disk again) gives the uninterrupted run's parameters, which used resident images, bit for bit."""
+    run = tmp_path / "run"
+    disk = ("--set", "data.images_on=disk")
+    proc = _start("fit", demo_scene, "--out", run, *COMMON, *disk)
+    _wait_for(run / "ckpt" / "step_10.pt", proc)
+    workers = _decode_workers_of(proc.pid)
+    assert workers, "no decode worker processes while the disk run trained"
+    proc.send_signal(signal.SIGINT)
+    err = _interrupted(proc)
+    assert "checkpoint saved" in err
+    deadline = time.time() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers), "decode workers outlived the run"
+    _resume_matches(run, demo_scene, full_run, *disk)
