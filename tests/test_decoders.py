@@ -85,3 +85,18 @@ def test_a_worker_starts_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
     assert out.stdout.strip() == "False"
+
+
+def test_a_store_dropped_without_close_still_ends_its_workers(lazy_scene) -> None:
+    """An error that leaves the training loop skips close(): once the store is garbage, its
+    workers see the request pipe end and exit."""
+    import gc
+
+    _, lazy = lazy_scene
+    store = _store(lazy, workers=2)
+    workers = list(store.decoder.workers)
+    store.get(0)
+    del store
+    gc.collect()
+    for worker in workers:
+        assert worker.wait(10) == 0

@@ -22,6 +22,7 @@ import select
 import subprocess
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -124,6 +125,8 @@ class ProcessDecoder:
         self.ended = False  # the result pipe reached end of file
         self.closed = False
         request_read, self.request_fd = os.pipe()
+        # a store dropped without close() (an error left the loop): end of file still stops its workers
+        self.unclosed = weakref.finalize(self, os.close, self.request_fd)
         self.result_fd, result_write = os.pipe()
         os.set_blocking(self.result_fd, False)
         header = json.dumps({
@@ -263,6 +266,7 @@ class ProcessDecoder:
             return
         self.closed = True
         if self.request_fd >= 0:
+            self.unclosed.detach()
             os.close(self.request_fd)  # end of file: the workers exit
             self.request_fd = -1
         for worker in self.workers:
