@@ -27,11 +27,14 @@ _RASTER_HEADERS = tuple(_RENDER_CSRC / f for f in (
     "project_bindings.h", "sh_colors.h", "torch_checks.h",
 ))  # fmt: skip
 _SSIM_SOURCES = (_TRAIN_CSRC / "bindings.cpp", _TRAIN_CSRC / "fused_ssim.cu")
-_SSIM_HEADERS = (_TRAIN_CSRC / "fused_ssim.h",)
+# every extension's binding checks live in one header, render/csrc/torch_checks.h: listed among each
+# one's headers, its folder is on each one's include path (cuda_build.load_extension)
+_CHECKS_HEADER = _RENDER_CSRC / "torch_checks.h"
+_SSIM_HEADERS = (_TRAIN_CSRC / "fused_ssim.h", _CHECKS_HEADER)
 _STEP_SOURCES = (_TRAIN_CSRC / "step_bindings.cpp", _TRAIN_CSRC / "step_ops.cu")
-_STEP_HEADERS = (_TRAIN_CSRC / "step_ops.h",)
+_STEP_HEADERS = (_TRAIN_CSRC / "step_ops.h", _CHECKS_HEADER)
 _BILATERAL_SOURCES = (_TRAIN_CSRC / "bilateral_bindings.cpp", _TRAIN_CSRC / "bilateral.cu")
-_BILATERAL_HEADERS = (_TRAIN_CSRC / "bilateral.h",)
+_BILATERAL_HEADERS = (_TRAIN_CSRC / "bilateral.h", _CHECKS_HEADER)
 
 
 def raster() -> ModuleType:

@@ -7,25 +7,18 @@
 #include <vector>
 
 #include "bilateral.h"
+#include "torch_checks.h"
 
 namespace gstrain {
 namespace {
 
-void check_float_cuda(const at::Tensor &t, const char *name, const at::Device &device) {
-    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
-    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " has dtype ", t.scalar_type(), ", expected float32");
-    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
 
-void check_cuda(cudaError_t err, const char *what) {
-    TORCH_CHECK(err == cudaSuccess, "gstrain: ", what, " failed: ", cudaGetErrorString(err));
-}
 
 BilateralDims dims_of(const at::Tensor &image, const at::Tensor &grid, const std::optional<at::Tensor> &valid,
                       double luma_r, double luma_g, double luma_b) {
     const at::Device device = image.device();
-    check_float_cuda(image, "image", device);
-    check_float_cuda(grid, "grid", device);
+    check_tensor_on(image, "image", device, at::kFloat);
+    check_tensor_on(grid, "grid", device, at::kFloat);
     TORCH_CHECK(image.dim() == 3 && image.size(2) == 3, "image must be [H, W, 3]");
     TORCH_CHECK(grid.dim() == 4 && grid.size(0) == 12, "grid must be [12, L, Y, X]");
     TORCH_CHECK(grid.size(1) >= 1 && grid.size(2) >= 1 && grid.size(3) >= 1, "grid must have cells on every axis");
@@ -37,13 +30,7 @@ BilateralDims dims_of(const at::Tensor &image, const at::Tensor &grid, const std
     d.levels = (int)grid.size(1);
     d.cells_y = (int)grid.size(2);
     d.cells_x = (int)grid.size(3);
-    d.valid = nullptr;
-    if (valid.has_value() && valid->defined()) {
-        TORCH_CHECK(valid->is_cuda() && valid->device() == device && valid->scalar_type() == at::kInt &&
-                        valid->is_contiguous() && valid->numel() == 2,
-                    "valid must be [width, height], int32 on the image's device");
-        d.valid = valid->data_ptr<int>();
-    }
+    d.valid = valid_size(valid, device);
     d.luma_r = (float)luma_r;
     d.luma_g = (float)luma_g;
     d.luma_b = (float)luma_b;
@@ -70,7 +57,7 @@ std::vector<at::Tensor> bilateral_bwd(const at::Tensor &image, const at::Tensor 
                                       const std::optional<at::Tensor> &valid, const at::Tensor &grad_out,
                                       double luma_r, double luma_g, double luma_b, int64_t variant) {
     const BilateralDims d = dims_of(image, grid, valid, luma_r, luma_g, luma_b);
-    check_float_cuda(grad_out, "grad_out", image.device());
+    check_tensor_on(grad_out, "grad_out", image.device(), at::kFloat);
     TORCH_CHECK(grad_out.sizes() == image.sizes(), "grad_out must have the image's shape");
     TORCH_CHECK(variant >= 0 && variant < kBilateralBwdVariants, "unknown bilateral backward variant ", variant);
     const c10::cuda::CUDAGuard guard(image.device());

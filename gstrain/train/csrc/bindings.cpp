@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "fused_ssim.h"
+#include "torch_checks.h"
 
 namespace gstrain {
 namespace {
@@ -46,19 +47,6 @@ SsimDims dims_of(const at::Tensor &img, const at::Tensor &gt) {
     TORCH_CHECK(img.size(0) <= 65535, "fused SSIM: batch too large (grid z)");
     TORCH_CHECK(img.size(1) <= kMax && img.size(2) <= kMax && img.size(3) <= kMax, "fused SSIM: image too large");
     return SsimDims{(int)img.size(0), (int)img.size(1), (int)img.size(2), (int)img.size(3), nullptr};
-}
-
-// An optional [2] int32 device tensor: the valid width and height of each image inside its canvas.
-const int *valid_size(const std::optional<at::Tensor> &valid, const at::Tensor &img) {
-    if (!valid.has_value() || !valid->defined()) return nullptr;
-    TORCH_CHECK(valid->is_cuda() && valid->device() == img.device() && valid->scalar_type() == at::kInt &&
-                    valid->is_contiguous() && valid->numel() == 2,
-                "valid must be [width, height], int32 on the images' device");
-    return valid->data_ptr<int>();
-}
-
-void check_cuda(cudaError_t err, const char *what) {
-    TORCH_CHECK(err == cudaSuccess, "gstrain: ", what, " failed: ", cudaGetErrorString(err));
 }
 
 } // namespace
@@ -117,7 +105,7 @@ std::vector<at::Tensor> loss_fwd(const at::Tensor &img, const at::Tensor &gt, do
     at::Tensor loss = at::empty({}, img.options());
     at::Tensor ssim = at::empty({}, img.options());
     at::Tensor l1 = at::empty({}, img.options());
-    at::Tensor partials = run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss, valid_size(valid, img));
+    at::Tensor partials = run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss, valid_size(valid, img.device()));
     return {loss, ssim, l1, partials};
 }
 
@@ -171,7 +159,7 @@ at::Tensor loss_bwd(
     const at::Tensor &img, const at::Tensor &gt, const at::Tensor &partials, const at::Tensor &grad_out,
     double ssim_lambda, const std::optional<at::Tensor> &valid
 ) {
-    return run_bwd(img, gt, partials, grad_out, -ssim_lambda, 1.0 - ssim_lambda, valid_size(valid, img));
+    return run_bwd(img, gt, partials, grad_out, -ssim_lambda, 1.0 - ssim_lambda, valid_size(valid, img.device()));
 }
 
 } // namespace gstrain

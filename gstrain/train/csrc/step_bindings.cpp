@@ -9,33 +9,16 @@
 #include <vector>
 
 #include "step_ops.h"
+#include "torch_checks.h"
 
 namespace gstrain {
 namespace {
 
-void check_float_cuda(const at::Tensor &t, const char *name, const at::Device &device) {
-    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
-    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " has dtype ", t.scalar_type(), ", expected float32");
-    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
 
-void check_bf16_cuda(const at::Tensor &t, const char *name, const at::Device &device) {
-    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", t.scalar_type(), ", expected bfloat16");
-    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-void check_dtype_cuda(const at::Tensor &t, const char *name, const at::Device &device, const at::ScalarType dtype) {
-    TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device);
-    TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
-    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
 
-void check_cuda(cudaError_t err, const char *what) {
-    TORCH_CHECK(err == cudaSuccess, "gstrain: ", what, " failed: ", cudaGetErrorString(err));
-}
 
 } // namespace
 
@@ -89,7 +72,7 @@ void adam_step(
     }
     const float *scalars_ptr = nullptr;
     if (scalars.has_value() && scalars->defined()) {
-        check_float_cuda(*scalars, "scalars", device);
+        check_tensor_on(*scalars, "scalars", device, at::kFloat);
         TORCH_CHECK(scalars->numel() >= (int64_t)(2 * n), "scalars must hold a (step size, 1/sqrt(bc2)) pair per tensor");
         scalars_ptr = scalars->data_ptr<float>();
         TORCH_CHECK(!any_rounded || scalars->numel() >= (int64_t)(3 * n),
@@ -127,17 +110,17 @@ void adam_step(
     reset();
     for (size_t i = 0; i < n; ++i) {
         const at::Tensor &p = params[i];
-        check_float_cuda(p, "param", device);
-        check_float_cuda(grads[i], "grad", device);
+        check_tensor_on(p, "param", device, at::kFloat);
+        check_tensor_on(grads[i], "grad", device, at::kFloat);
         const int64_t numel = p.numel();
         TORCH_CHECK(grads[i].numel() == numel && exp_avgs[i].numel() == numel && exp_avg_sqs[i].numel() == numel,
                     "adam_step: tensor ", i, " and its gradient or state differ in size");
         if (exp_avgs[i].scalar_type() == at::kChar) {
             TORCH_CHECK(visible_ptr == nullptr, "adam_step: 8-bit moments take no visibility mask");
-            check_dtype_cuda(exp_avgs[i], "exp_avg", device, at::kChar);
-            check_dtype_cuda(exp_avg_sqs[i], "exp_avg_sq", device, at::kByte);
-            check_dtype_cuda(scales[2 * i], "exp_avg_scale", device, at::kBFloat16);
-            check_dtype_cuda(scales[2 * i + 1], "exp_avg_sq_scale", device, at::kBFloat16);
+            check_tensor_on(exp_avgs[i], "exp_avg", device, at::kChar);
+            check_tensor_on(exp_avg_sqs[i], "exp_avg_sq", device, at::kByte);
+            check_tensor_on(scales[2 * i], "exp_avg_scale", device, at::kBFloat16);
+            check_tensor_on(scales[2 * i + 1], "exp_avg_sq_scale", device, at::kBFloat16);
             TORCH_CHECK(p.dim() >= 1, "adam_step: a tensor with 8-bit moments needs rows");
             const int64_t rows = p.size(0);
             TORCH_CHECK(scales[2 * i].numel() == rows && scales[2 * i + 1].numel() == rows,
@@ -168,11 +151,11 @@ void adam_step(
         }
         const bool bf16 = exp_avgs[i].scalar_type() == at::kBFloat16;
         if (bf16) {
-            check_bf16_cuda(exp_avgs[i], "exp_avg", device);
-            check_bf16_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+            check_tensor_on(exp_avgs[i], "exp_avg", device, at::kBFloat16);
+            check_tensor_on(exp_avg_sqs[i], "exp_avg_sq", device, at::kBFloat16);
         } else {
-            check_float_cuda(exp_avgs[i], "exp_avg", device);
-            check_float_cuda(exp_avg_sqs[i], "exp_avg_sq", device);
+            check_tensor_on(exp_avgs[i], "exp_avg", device, at::kFloat);
+            check_tensor_on(exp_avg_sqs[i], "exp_avg_sq", device, at::kFloat);
         }
         int64_t row = 1;
         if (visible_ptr != nullptr) {
@@ -215,9 +198,9 @@ void grad2d_stats(
     at::Tensor &count, const std::optional<at::Tensor> &skip, const std::optional<at::Tensor> &size
 ) {
     const at::Device device = grad.device();
-    check_float_cuda(grad, "grad", device);
-    check_float_cuda(grad2d, "grad2d", device);
-    check_float_cuda(count, "count", device);
+    check_tensor_on(grad, "grad", device, at::kFloat);
+    check_tensor_on(grad2d, "grad2d", device, at::kFloat);
+    check_tensor_on(count, "count", device, at::kFloat);
     TORCH_CHECK(radii.is_cuda() && radii.device() == device && radii.scalar_type() == at::kInt && radii.is_contiguous(),
                 "radii must be a contiguous int32 tensor on ", device);
     const int64_t n = grad2d.numel();
