@@ -105,7 +105,8 @@ std::vector<at::Tensor> loss_fwd(const at::Tensor &img, const at::Tensor &gt, do
     at::Tensor loss = at::empty({}, img.options());
     at::Tensor ssim = at::empty({}, img.options());
     at::Tensor l1 = at::empty({}, img.options());
-    at::Tensor partials = run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss, valid_size(valid, img.device()));
+    at::Tensor partials =
+        run_fwd(img, gt, save_partials, true, ssim_lambda, ssim, l1, loss, valid_size(valid, img.device()));
     return {loss, ssim, l1, partials};
 }
 
