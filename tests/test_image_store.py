@@ -94,10 +94,10 @@ def test_peek_is_what_next_draws() -> None:
 
 
 def test_disk_prefetch_order_is_the_samplers() -> None:
-    n, seed, steps = 6, 11, 18
+    n, seed, steps, depth = 6, 9, 18, 3
     log: list[int] = []
     views = [LoggedView(i, log) for i in range(n)]
-    store = DiskStore(views, CPU, workers=1, depth=3)  # one worker: decodes run in submission order
+    store = DiskStore(views, CPU, workers=1, depth=depth)  # one worker: decodes run in submission order
     sampler = ViewSampler(n, seed)
     got = [draw_views(store, sampler)[0] for _ in range(steps)]
     store.close()
@@ -105,10 +105,32 @@ def test_disk_prefetch_order_is_the_samplers() -> None:
     assert [idx for idx, _ in got] == expected
     for idx, image in got:
         assert torch.equal(image, views[idx].pixels)
-    # each draw decoded once, in the sampler's order (a view drawn twice in a row is reused);
-    # the last steps' look-ahead decodes run past the draws
-    merged = [v for i, v in enumerate(expected) if i == 0 or expected[i - 1] != v]
-    assert log[: len(merged)] == merged
+    # decoded in the sampler's order, except a draw of a view drawn at most `depth` draws before
+    # (then in the look-ahead, so kept); the last steps' look-ahead decodes run past the draws.
+    # (A view drawn again exactly depth + 1 draws later is kept only if the draw between was
+    # kept too; this seed's sequence has no such repeat.)
+    gaps = [i - max(j for j in range(i) if expected[j] == v) for i, v in enumerate(expected) if v in expected[:i]]
+    assert depth + 1 not in gaps and sum(g <= depth for g in gaps) >= 5, gaps
+    fresh = [v for i, v in enumerate(expected) if v not in expected[max(0, i - depth) : i]]
+    assert log[: len(fresh)] == fresh
+    assert len(store.recent.items) == 0  # closed
+
+
+def test_disk_keeps_only_images_drawn_again_within_the_look_ahead() -> None:
+    views = [LoggedView(i, []) for i in range(8)]
+    store = DiskStore(views, CPU, workers=1, depth=3)
+    store.prefetch([0, 1, 2])
+    for idx in (0, 1):
+        store.get(idx)
+    store.prefetch([2, 0, 5])  # 0 comes again within the look-ahead: kept; 1 does not
+    assert sorted(store.recent.items) == [0, 1]  # 1 is the last image got (a step's second read)
+    store.get(2)
+    store.prefetch([0, 5, 6])
+    assert sorted(store.recent.items) == [0, 2]
+    assert store.get(0) is store.recent.items[0] and store.gets == 3  # no decode, no wait
+    store.prefetch([5, 6, 7])
+    assert sorted(store.recent.items) == [0]  # only the last image got: nothing ahead draws it
+    store.close()
 
 
 def test_host_prefetch_starts_the_next_view() -> None:

@@ -1,12 +1,12 @@
-"""A decode worker process of data.images_on=disk (data/decode_processes.py starts them): decodes
-the views it is asked for into slots of a shared memory block, with PIL and numpy only.
+"""A decode worker process of data.images_on=disk (data/decoders.py's ProcessDecoder starts them):
+decodes the views it is asked for into slots of a shared memory block, with PIL and numpy only.
 
 Why a process: in the training process a decode thread needs the GIL several times an image (the
 file read, each decode call, the pixel copy), and a training loop that runs Python hands the GIL
 over only every switch interval (5 ms), so threads there decoded 10x slower than alone
-(bench/decode_contention.py). A worker process has a GIL of its own.
+(bench/NOTES.md). A worker process has a GIL of its own.
 
-Protocol (all pipes; the parent's DecodeProcesses is the other end):
+Protocol (all pipes; the training process's ProcessDecoder is the other end):
 - argv: a descriptor (memory of its own) and the length of one JSON object there: {"arena_fd",
   "arena_bytes", "slot_bytes", "request_fd", "result_fd", "views": [[file, [w, h],
   composite_over or null], ...]}.

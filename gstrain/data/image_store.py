@@ -87,21 +87,37 @@ def _decode_each(views: Sequence[View], read: Callable[[View], torch.Tensor], pi
 
 
 class _Recent:
-    """The last few images get() returned, so a second read of a step's image costs nothing."""
+    """The last few images get() returned, so a second read of a step's image costs nothing; and
+    those the sampler draws again within the look-ahead (the end of one pass and the start of the
+    next share views), which would otherwise be fetched again with only a step or two to spare."""
 
     def __init__(self, keep: int) -> None:
         self.keep = max(1, keep)
         self.items: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.upcoming: set[int] = set()
 
     def find(self, idx: int) -> torch.Tensor | None:
-        return self.items.get(idx)
+        image = self.items.get(idx)
+        if image is not None:
+            self.items.move_to_end(idx)  # returned again: among the step's own images
+        return image
 
     def add(self, idx: int, image: torch.Tensor) -> torch.Tensor:
         self.items[idx] = image
         self.items.move_to_end(idx)
-        while len(self.items) > self.keep:
-            self.items.popitem(last=False)
+        self._trim()
         return image
+
+    def expect(self, upcoming: Sequence[int]) -> None:
+        """The indices prefetch() was given: kept images outside them go (at most `keep` stay)."""
+        self.upcoming = set(upcoming)
+        self._trim()
+
+    def _trim(self) -> None:
+        older = list(self.items)[: len(self.items) - self.keep]
+        for idx in older:
+            if idx not in self.upcoming:
+                del self.items[idx]
 
 
 class _Base:
@@ -188,8 +204,9 @@ class HostStore(_Base):
         return self._upload(idx, self.host[idx])
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
+        self.recent.expect(upcoming[: self.lookahead])
         for idx in upcoming[: self.lookahead]:
-            if idx not in self.inflight and self.recent.find(idx) is None:
+            if idx not in self.inflight and idx not in self.recent.items:
                 self.inflight[idx] = self._start(idx)
         while len(self.inflight) > 2 * self.lookahead:  # copies the sampler no longer wants (a resume)
             self.inflight.popitem(last=False)
@@ -263,8 +280,9 @@ class DiskStore(_Base):
         return pixels, None
 
     def prefetch(self, upcoming: Sequence[int]) -> None:
+        self.recent.expect(upcoming[: self.depth])
         for idx in upcoming[: self.depth]:
-            if idx not in self.pending and idx not in self.staged and self.recent.find(idx) is None:
+            if idx not in self.pending and idx not in self.staged and idx not in self.recent.items:
                 self.pending[idx] = self.decoder.submit(idx)
         while len(self.pending) > 2 * self.depth:  # decodes the sampler no longer wants (a resume)
             _idx, stale = self.pending.popitem(last=False)

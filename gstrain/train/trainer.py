@@ -82,6 +82,10 @@ class Trainer(RunReporting):
         images = store.images if isinstance(store, ResidentStore) else TrainImages(store)  # resident: the list
         views = TrainViews(images, [(v.viewmat.to(device), v.K.to(device)) for v in scene.train],
                            [prepare_mask(v.mask, device) for v in scene.train])  # fmt: skip
+        self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
+        # host/disk: the first steps' images start now, while the model and the engine are built
+        # (a resume's checkpoint moves the sampler; fit() fetches ahead again from there)
+        views.prefetch(self.sampler)
         began = time.perf_counter()
         params = self._initial_params()
         self.setup_seconds["initial model"] = time.perf_counter() - began
@@ -97,7 +101,6 @@ class Trainer(RunReporting):
         self.strategy = build_strategy(strategy_cfg, scene.extent, device, cfg.dev)
         self.strategy.gate = self.gate
         self.strategy.check(params, optimizers)
-        self.sampler = ViewSampler(len(scene.train), cfg.train.seed)
         self.step = 0
         self.timer = PhaseTimer(device)
         self.runner = StepRunner(cfg, self.renderer, self.strategy, self.timer, device)
