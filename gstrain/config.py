@@ -34,6 +34,8 @@ class DataConfig:
     # said in one line); gstrain/data/image_store.py
     images_on: str = "auto"
     max_side: int = 0  # downscale (after factor) so the longer side is at most this many pixels; 0: no limit
+    # images_on=disk: how many decode the images; 0: the machine's cores less two, 4 to 16
+    decode_workers: int = 0
 
 
 @dataclass

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 # train.seed seeds numpy's legacy generator too (np.random.seed), the narrowest of the three
 SEED_MAX = 2**32 - 1
+DECODE_WORKERS_MAX = 256
 # dist.timeout_s below this cannot even set the process group up (the ranks' first handshake)
 MIN_DIST_TIMEOUT_S = 1.0
 # train.bilateral_grid_*: cells per axis. 64 x 64 x 64 cells of 12 floats are 12.6 MB a training
@@ -133,10 +134,14 @@ def _validate_ranges(cfg: Config) -> None:
         "train.threads": (cfg.train.threads, 0), "train.seed": (cfg.train.seed, 0),
         "train.pose_refine_start": (cfg.train.pose_refine_start, 0),
         "strategy.cap_max": (cfg.strategy.cap_max, 1), "data.max_side": (cfg.data.max_side, 0),
+        "data.decode_workers": (cfg.data.decode_workers, 0),
     }
     for key, (value, low) in at_least.items():
         if value < low:
             raise UserError(f"{key} must be >= {low}; got {value}")
+    if cfg.data.decode_workers > DECODE_WORKERS_MAX:
+        raise UserError(f"data.decode_workers must be 0..{DECODE_WORKERS_MAX} (each is a process); "
+                        f"got {cfg.data.decode_workers}")  # fmt: skip
     if cfg.train.seed > SEED_MAX:
         raise UserError(f"train.seed must be 0..{SEED_MAX} (numpy's seed range); got {cfg.train.seed}")
     for name in ("means_lr", "means_lr_final", "scales_lr", "quats_lr", "opacities_lr", "sh0_lr", "shN_lr", "pose_lr",

@@ -21,6 +21,7 @@ from gstrain.data.colmap import load_scene
 from gstrain.data.decoders import ProcessDecoder, ThreadDecoder
 from gstrain.data.image_store import (
     DEVICE_SHARE,
+    DISK_WORKERS,
     DiskStore,
     HostStore,
     ResidentStore,
@@ -322,13 +323,25 @@ def test_max_side_downscales_with_one_note(tmp_path: Path) -> None:
     [("data.images_on=ssd", "data.images_on must be one of auto, gpu, host, disk"),
      ("data.max_side=-1", "data.max_side must be >= 0"),
      ("train.max_memory_gib=-2", "train.max_memory_gib must be"),
-     ("dev.decode_in=gpu", "dev.decode_in must be one of processes, threads")],
+     ("dev.decode_in=gpu", "dev.decode_in must be one of processes, threads"),
+     ("data.decode_workers=-1", "data.decode_workers must be >= 0"),
+     ("data.decode_workers=257", "data.decode_workers must be 0..256")],
 )
 def test_bad_values_are_one_line(override: str, needle: str) -> None:
     section, rest = override.split(".", 1)
     key, value = rest.split("=")
+    typed = {"images_on": str, "decode_in": str, "decode_workers": int}.get(key, float)(value)
     with pytest.raises(UserError, match=needle):
-        build_config(overrides=[{section: {key: value if key in ("images_on", "decode_in") else float(value)}}])
+        build_config(overrides=[{section: {key: typed}}])
+
+
+@pytest.mark.parametrize(("asked", "started"), [(0, DISK_WORKERS), (2, 2)])
+def test_decode_workers_is_how_many_processes_start(jpg_scene: Path, asked: int, started: int) -> None:
+    lazy = load_scene(jpg_scene, factor=2, test_every=0, lazy=True)
+    store = build_image_store(lazy.train, "disk", CPU, log=lambda _m: None, decode_workers=asked)
+    assert isinstance(store.decoder, ProcessDecoder)
+    assert len(store.decoder.workers) == min(started, len(lazy.train))
+    store.close()
 
 
 def test_bad_images_on_from_the_command_line(demo_scene: Path, tmp_path: Path) -> None:

@@ -345,15 +345,17 @@ def build_image_store(
     device_free: int | None = None,
     host_available: int | None = None,
     decode_in: str = "processes",
+    decode_workers: int = 0,
 ) -> ImageStore:
     """The store for data.images_on (auto picks and says so in one line: resolve_images_on).
-    per_step: views a step draws (train.batch_size); decode_in: dev.decode_in (disk only)."""
+    per_step: views a step draws (train.batch_size); decode_in: dev.decode_in and decode_workers:
+    data.decode_workers (disk only; 0: DISK_WORKERS)."""
     where = resolve_images_on(views, images_on, device, log, device_free, host_available)
     if where == "gpu":
         return ResidentStore(views, device, per_step)
     if where == "host":
         return HostStore(views, device, per_step)
-    return DiskStore(views, device, per_step, decode_in=decode_in)
+    return DiskStore(views, device, per_step, workers=decode_workers or DISK_WORKERS, decode_in=decode_in)
 
 
 def images_ahead(views: Sequence[View], workers: int = START_WORKERS) -> Iterator[torch.Tensor]:
