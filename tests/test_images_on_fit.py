@@ -21,6 +21,7 @@ from gstrain.data.demo import write_demo_scene
 from gstrain.data.image_store import DiskStore, HostStore, ResidentStore, scene_is_lazy
 from gstrain.data.images import LazyView
 from gstrain.data.inputs import load_scene
+from gstrain.train.run_state import ViewSampler
 from gstrain.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -74,6 +75,19 @@ def test_fifty_steps_streamed_equal_resident(scene_dir: Path, tmp_path: Path) ->
     for where in ("host", "disk"):
         for key, value in runs["gpu"].items():
             assert torch.equal(runs[where][key], value), (where, key)
+
+
+def test_a_disk_trainer_starts_decoding_before_its_first_step(scene_dir: Path, tmp_path: Path) -> None:
+    """Building the trainer asks for the first steps' images (the sampler's next draws, as an
+    independent sampler with the run's seed gives them), so they decode while the model is built."""
+    cfg = _config(data={"images_on": "disk"}, dev={"decode_in": "threads"})
+    scene = load_scene(scene_dir, factor=cfg.data.factor, test_every=cfg.data.test_every, lazy=True)
+    trainer = Trainer(cfg, scene, tmp_path, CPU, log=lambda _m: None)
+    store = trainer.image_store
+    assert isinstance(store, DiskStore) and trainer.step == 0 and store.gets == 0
+    first = ViewSampler(N_TRAIN, cfg.train.seed).peek(store.depth)
+    assert list(store.pending) == list(dict.fromkeys(first))  # in draw order, each view once
+    store.close()
 
 
 def _budget_gib(n: int, statistics: int = 2) -> float:
