@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from bench.bench_train import PIPELINES
+from bench.big_curve_plot import try_plot
 from gstrain.allocator import configure_allocator
 
 CURVE_FILE, CSV_FILE, LARGEST_FILE, PLOT_FILE = "curve.jsonl", "curve.csv", "largest.json", "curve.png"
@@ -354,58 +355,6 @@ def parse_count(text: str) -> int:
     return int(float(t[:-1] if scale != 1 else t) * scale)
 
 
-def plot_curve(records: list[dict[str, Any]], path: Path) -> Path:
-    """ms per step and peak GiB against N (millions), a line per pipeline and image size (and cap);
-    OOM points marked x on the memory panel. Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker below
-
-    fig, (ax_ms, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in records:
-        if not r.get("probe"):
-            groups.setdefault((r["pipeline"], r["factor"], r.get("cap_gib")), []).append(r)
-    for (pipeline, factor, cap), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["n"])
-        size = f"{ok[0]['width']}x{ok[0]['height']}" if ok else f"factor {factor}"
-        label = f"{pipeline} {size}" + (f", cap {cap:g} GiB" if cap else "")
-        style = "-" if pipeline == "gstrain" else "--"
-        if ok:
-            line = ax_ms.plot([r["n"] / 1e6 for r in ok], [r["ms_per_step"] for r in ok], style, marker="o",
-                              label=label)[0]  # fmt: skip
-            ax_mem.plot([r["n"] / 1e6 for r in ok], [r["peak_gib"] for r in ok], style, marker="o",
-                        color=line.get_color(), label=label)  # fmt: skip
-        oom = [r for r in rows if r["status"] == "oom"]
-        if oom:
-            ax_mem.scatter([r["n"] / 1e6 for r in oom], [r.get("peak_gib") or 0 for r in oom], marker="x", color="red")
-    for ax, ylabel in ((ax_ms, "ms per step"), (ax_mem, "peak GiB (allocator)")):
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: f"{x:g}"))
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("Gaussians (millions)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_ms.legend(fontsize=8)
-    ax_ms.set_title("cost per training step")
-    ax_mem.set_title("peak memory (x: out of memory)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def try_plot(out: Path, records: list[dict[str, Any]]) -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"big_curve: matplotlib is not installed; plot later with python -m bench.big_curve --plot {out}")
-        return
-    print(f"big_curve: wrote {plot_curve(records, out / PLOT_FILE)}")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scene", type=Path, nargs="?")
@@ -436,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         args.child.with_suffix(".out.json").write_text(json.dumps(record))
         return
     if args.plot is not None:
-        try_plot(args.plot, load_records(args.plot))
+        try_plot(args.plot / PLOT_FILE, load_records(args.plot))
         return
     if args.scene is None:
         ap.error("a scene written by bench.big_scene is needed (or --plot DIR)")
@@ -464,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
                 found.append(row)
         (args.out / LARGEST_FILE).write_text(json.dumps(found, indent=1))
     write_csv(args.out, curve.records)
-    try_plot(args.out, curve.records)
+    try_plot(args.out / PLOT_FILE, curve.records)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from plyfile import PlyData
 
-from bench import big_curve, big_scene
+from bench import big_curve, big_curve_plot, big_scene
 from bench.city import BLOCK, city_points, quats_facing
 from gstrain.render.projection import _quat_to_rotmat
 
@@ -216,7 +216,7 @@ def test_plot_draws_a_png(tmp_path):
     records = [{"pipeline": p, "factor": 1, "n": n, "cap_gib": None, "status": "ok" if n < 4e6 else "oom",
                 "ms_per_step": n / 1e5 * (2 if p == "baseline" else 1), "peak_gib": n / 1e6, "width": 1920,
                 "height": 1080} for p in ("gstrain", "baseline") for n in (1e6, 2e6, 4e6)]  # fmt: skip
-    path = big_curve.plot_curve(records, tmp_path / "curve.png")
+    path = big_curve_plot.plot_curve(records, tmp_path / "curve.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
