@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,32 @@ def test_bad_arguments(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="not a directory"):
         write_demo_scene(tmp_path / "f")
+
+
+def test_camera_distances_cycle_and_keep_the_sphere_in_frame(tmp_path: Path) -> None:
+    """distances=(3, 4.5, 6.5): camera centres at those norms, cycled over the views; at the
+    closest one (the smallest allowed) every sphere point facing the camera projects inside the
+    image, by the loaded pose and intrinsics."""
+    distances = (3.0, 4.5, 6.5)
+    folder = write_demo_scene(tmp_path / "near_far", n_views=8, width=32, height=32, distances=distances)
+    scene = load_scene(folder, test_every=0)
+    views = sorted(scene.train, key=lambda v: v.name)
+    centres = [-(v.viewmat[:3, :3].T.double() @ v.viewmat[:3, 3].double()).numpy() for v in views]
+    expected = [distances[i % 3] for i in range(8)]
+    assert np.allclose([np.linalg.norm(c) for c in centres], expected, atol=1e-5)
+    assert json.loads((folder / "demo-scene.json").read_text())["distances"] == [3.0, 4.5, 6.5]
+    normals = np.random.default_rng(0).normal(size=(4000, 3))
+    normals /= np.linalg.norm(normals, axis=1, keepdims=True)  # the unit sphere at the origin
+    for view, centre in zip(views, centres, strict=True):
+        facing = normals[normals @ centre > 1.0]  # seen from outside: n . (c - n) > 0
+        viewmat, K = view.viewmat.double().numpy(), view.K.double().numpy()
+        cam = facing @ viewmat[:3, :3].T + viewmat[:3, 3]
+        uv = cam[:, :2] / cam[:, 2:] * K.diagonal()[:2] + K[:2, 2]
+        assert (cam[:, 2] > 0).all() and (uv > 0).all() and (uv < 32).all(), view.name
+
+
+@pytest.mark.parametrize("distances", [(), (2.9,), (4.5, float("inf")), (float("nan"),)])
+def test_bad_camera_distances(tmp_path: Path, distances: tuple[float, ...]) -> None:
+    with pytest.raises(UserError, match="camera distances must be finite and >= 3.0"):
+        write_demo_scene(tmp_path / "scene", n_views=4, width=16, height=16, distances=distances)
+    assert not (tmp_path / "scene").exists()
