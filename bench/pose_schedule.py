@@ -55,7 +55,7 @@ import torch
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
-from gstrain.train.pose_align import pose_errors
+from gstrain.train.pose_align import pose_errors, umeyama
 from gstrain.train.pose_gauge import gauge_basis, without_gauge
 from gstrain.train.pose_refine import correction_matrices
 from gstrain.train.run_record import RunRecord
@@ -74,6 +74,21 @@ def perturbed(views: list[Any], extent: float, seed: int, degrees: float = 1.0, 
         moved = fix @ view.viewmat.double()
         out.append(dataclasses.replace(view, viewmat=moved.float()))
     return out
+
+
+def axis_errors(estimated: list[np.ndarray], truth: list[np.ndarray]) -> np.ndarray:
+    """Per view [V,3], the aligned rotation error as an axis-angle in the true camera's frame
+    (degrees; x pitch, y yaw, z roll), after the similarity that best maps the estimated centres
+    onto the true ones. Its mean over the views is the common rotation in the cameras' frames."""
+    centre = lambda m: -m[:3, :3].T @ m[:3, 3]  # noqa: E731
+    _, rot, _ = umeyama(np.array([centre(m) for m in estimated]), np.array([centre(m) for m in truth]))
+    out = []
+    for est, true in zip(estimated, truth, strict=True):
+        err = true[:3, :3] @ rot @ est[:3, :3].T
+        angle = math.acos(min(max((np.trace(err) - 1) / 2, -1.0), 1.0))
+        axis = np.array([err[2, 1] - err[1, 2], err[0, 2] - err[2, 0], err[1, 0] - err[0, 1]]) / 2
+        out.append(np.degrees(axis * angle / math.sin(angle)) if angle > 1e-12 else np.zeros(3))
+    return np.array(out)
 
 
 class Schedule:
@@ -263,6 +278,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before = pose_errors(arrays(given), arrays(truth), extent, align=align)
         after = pose_errors(arrays(refined), arrays(truth), extent, align=align)
         out[name] = {"before": before, "after": after, "ratio": [b / a for b, a in zip(before, after, strict=True)]}
+    for name, views in (("before", given), ("after", refined)):
+        axes = axis_errors(arrays(views), arrays(truth))
+        out[f"axes_{name}"] = {"common": axes.mean(axis=0).tolist(), "mean_abs": np.abs(axes).mean(axis=0).tolist()}
     return out
 
 
@@ -303,6 +321,10 @@ def main() -> None:
           f"({raw['ratio'][0]:.2f}x, {raw['ratio'][1]:.2f}x); test PSNR {out['test_psnr']:.2f} dB"
           + (f" ({out['plain_test_psnr']:.2f} without refinement)" if args.plain else "") + "; "
           f"{out['seconds']:.0f} s")  # fmt: skip
+    for name in ("before", "after"):
+        axes = out[f"axes_{name}"]
+        print(f"  {name}: common (pitch, yaw, roll) {np.round(axes['common'], 3).tolist()} deg, "
+              f"mean |.| {np.round(axes['mean_abs'], 3).tolist()}")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1, default=str))
 
