@@ -25,7 +25,8 @@ equations of the squared residual from a central-difference Jacobian of the rend
 Levenberg damped, then the gauge projected out if --pose-gauge on.
 
 --distances D1,D2,...: the demo scene's cameras at those distances from the sphere, cycled over
-the views (data/demo.py; default: all at 4.5). --gauge ten holds the product's ten gauge
+the views (data/demo.py; default: all at 4.5); --elevations E1,E2,...: one ring of cameras per
+elevation in degrees (default: 18,42). --gauge ten holds the product's ten gauge
 directions (a similarity of the world and a common rotation in the cameras' frames,
 train/pose_gauge.py); seven holds the similarity alone. --plain also trains the same perturbed
 scene without pose refinement (as train.pose_refine=false ships, the same scene steps) and reports
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_demo_scene(Path(tmp) / "scene", n_views=16, width=args.size, height=args.size, seed=0,
-                                  distances=args.distances)  # fmt: skip
+                                  distances=args.distances, elevations=args.elevations)  # fmt: skip
         scene = load_scene(folder)
         truth = list(scene.train)
         scene.train = perturbed(truth, scene.extent, args.seed)
@@ -305,6 +306,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--distances", type=lambda text: tuple(float(d) for d in text.split(",")), default=None,
                         help="camera distances of the demo scene, cycled over the views (default: all 4.5)")
+    parser.add_argument("--elevations", type=lambda text: tuple(float(e) for e in text.split(",")), default=None,
+                        help="ring elevations of the demo scene in degrees (default: 18,42)")
     parser.add_argument("--gauge", choices=("ten", "seven"), default="ten",
                         help="ten: similarity and common rotation held (the product); seven: similarity only")
     parser.add_argument("--plain", action="store_true", help="also train without pose refinement")
