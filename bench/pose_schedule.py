@@ -79,8 +79,9 @@ def perturbed(views: list[Any], extent: float, seed: int, degrees: float = 1.0, 
 
 def axis_errors(estimated: list[np.ndarray], truth: list[np.ndarray]) -> np.ndarray:
     """Per view [V,3], the aligned rotation error as an axis-angle in the true camera's frame
-    (degrees; x pitch, y yaw, z roll), after the similarity that best maps the estimated centres
-    onto the true ones. Its mean over the views is the common rotation in the cameras' frames."""
+    (degrees; x pitch, y yaw, z roll): the rotation that takes the estimated camera, after the
+    similarity that best maps the estimated centres onto the true ones, back to the true one. Its
+    mean over the views is the common rotation in the cameras' frames."""
     centre = lambda m: -m[:3, :3].T @ m[:3, 3]  # noqa: E731
     _, rot, _ = umeyama(np.array([centre(m) for m in estimated]), np.array([centre(m) for m in truth]))
     out = []
