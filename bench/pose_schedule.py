@@ -24,10 +24,19 @@ rate decays exponentially from --pose-lr to --pose-lr-final over all the steps t
 equations of the squared residual from a central-difference Jacobian of the render (12 renders),
 Levenberg damped, then the gauge projected out if --pose-gauge on.
 
+--distances D1,D2,...: the demo scene's cameras at those distances from the sphere, cycled over
+the views (data/demo.py; default: all at 4.5); --elevations E1,E2,...: one ring of cameras per
+elevation in degrees (default: 18,42). --gauge ten holds the product's ten gauge
+directions (a similarity of the world and a common rotation in the cameras' frames,
+train/pose_gauge.py); seven holds the similarity alone. --plain also trains the same perturbed
+scene without pose refinement (as train.pose_refine=false ships, the same scene steps) and reports
+its test PSNR.
+
 Prints (and with --json writes) the aligned (umeyama) and raw mean rotation (degrees) and centre
 (fraction of the extent) errors before and after, their ratios, and the test PSNR.
 
     PYTHONPATH=. python -m bench.pose_schedule --schedule alternate --scene-block 200 --pose-block 100 --rounds 3
+    PYTHONPATH=. python -m bench.pose_schedule --distances 3,4.5,6.5 --gauge seven --plain
 """
 
 from __future__ import annotations
@@ -47,8 +56,8 @@ import torch
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
-from gstrain.train.pose_align import pose_errors
-from gstrain.train.pose_gauge import without_gauge
+from gstrain.train.pose_align import pose_errors, umeyama
+from gstrain.train.pose_gauge import gauge_basis, without_gauge
 from gstrain.train.pose_refine import correction_matrices
 from gstrain.train.run_record import RunRecord
 from gstrain.train.trainer import Trainer
@@ -66,6 +75,22 @@ def perturbed(views: list[Any], extent: float, seed: int, degrees: float = 1.0, 
         moved = fix @ view.viewmat.double()
         out.append(dataclasses.replace(view, viewmat=moved.float()))
     return out
+
+
+def axis_errors(estimated: list[np.ndarray], truth: list[np.ndarray]) -> np.ndarray:
+    """Per view [V,3], the aligned rotation error as an axis-angle in the true camera's frame
+    (degrees; x pitch, y yaw, z roll): the rotation that takes the estimated camera, after the
+    similarity that best maps the estimated centres onto the true ones, back to the true one. Its
+    mean over the views is the common rotation in the cameras' frames."""
+    centre = lambda m: -m[:3, :3].T @ m[:3, 3]  # noqa: E731
+    _, rot, _ = umeyama(np.array([centre(m) for m in estimated]), np.array([centre(m) for m in truth]))
+    out = []
+    for est, true in zip(estimated, truth, strict=True):
+        err = true[:3, :3] @ rot @ est[:3, :3].T
+        angle = math.acos(min(max((np.trace(err) - 1) / 2, -1.0), 1.0))
+        axis = np.array([err[2, 1] - err[1, 2], err[0, 2] - err[2, 0], err[1, 0] - err[0, 1]]) / 2
+        out.append(np.degrees(axis * angle / math.sin(angle)) if angle > 1e-12 else np.zeros(3))
+    return np.array(out)
 
 
 class Schedule:
@@ -169,10 +194,23 @@ class Schedule:
             refiner.delta.data.copy_(new)
 
 
+def plain_psnr(folder: Path, run_dir: Path, args: argparse.Namespace) -> float:
+    """Test PSNR of the same perturbed scene trained for --steps without pose refinement."""
+    scene = load_scene(folder)
+    scene.train = perturbed(list(scene.train), scene.extent, args.seed)
+    cfg = build_config(overrides=[{
+        "train": {"steps": args.steps, "device": "cpu", "pose_refine": False},
+        "model": {"sh_degree": 0}, "strategy": {"refine_start": 10**6},
+        "log": {"progress_every": 10**6, "ckpt_every": 0, "tb_every": 10**6, "eval_steps": [], "save_steps": []},
+    }])  # fmt: skip
+    return float(Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lambda m: None).fit().final_test_psnr)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_demo_scene(Path(tmp) / "scene", n_views=16, width=args.size, height=args.size, seed=0)
+        folder = write_demo_scene(Path(tmp) / "scene", n_views=16, width=args.size, height=args.size, seed=0,
+                                  distances=args.distances, elevations=args.elevations)  # fmt: skip
         scene = load_scene(folder)
         truth = list(scene.train)
         scene.train = perturbed(truth, scene.extent, args.seed)
@@ -195,6 +233,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(cfg, scene, Path(tmp) / "run", torch.device("cpu"), log=lambda m: None)
         trainer._begin(False, None)  # seeded as fit seeds a new run
         trainer.record = RunRecord(first_step=0, max_gaussians=trainer.gaussian_count())
+        refiner = trainer.pose_refiner
+        if args.gauge == "seven":  # before Schedule, which keeps the refiner's gauge
+            refiner.gauge = gauge_basis(refiner.viewmats, refiner.pivots, refiner.extent,
+                                        common_rotation=False).to(refiner.delta.device)  # fmt: skip
         sched = Schedule(trainer, pose_updates, args.pose_lr, args.pose_lr_final, args.pose_gauge == "on", args.seed)
         arrays = lambda views: [v.viewmat.double().numpy() for v in views]  # noqa: E731
         phases: list[tuple[str, float, float]] = []
@@ -226,9 +268,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         refined = trainer.pose_refiner.refined(given)
         psnr = trainer.evaluate_test()["psnr"]
         extent = scene.extent
+        plain = plain_psnr(folder, Path(tmp) / "plain", args) if args.plain else None
     out: dict[str, Any] = {
         "args": vars(args),
         "test_psnr": psnr,
+        "plain_test_psnr": plain,
         "seconds": time.perf_counter() - began,
         "phases": phases,
     }
@@ -236,6 +280,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before = pose_errors(arrays(given), arrays(truth), extent, align=align)
         after = pose_errors(arrays(refined), arrays(truth), extent, align=align)
         out[name] = {"before": before, "after": after, "ratio": [b / a for b, a in zip(before, after, strict=True)]}
+    for name, views in (("before", given), ("after", refined)):
+        axes = axis_errors(arrays(views), arrays(truth))
+        out[f"axes_{name}"] = {"common": axes.mean(axis=0).tolist(), "mean_abs": np.abs(axes).mean(axis=0).tolist()}
     return out
 
 
@@ -258,6 +305,13 @@ def main() -> None:
     parser.add_argument("--pose-lr-final", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1, help="perturbation seed")
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--distances", type=lambda text: tuple(float(d) for d in text.split(",")), default=None,
+                        help="camera distances of the demo scene, cycled over the views (default: all 4.5)")
+    parser.add_argument("--elevations", type=lambda text: tuple(float(e) for e in text.split(",")), default=None,
+                        help="ring elevations of the demo scene in degrees (default: 18,42)")
+    parser.add_argument("--gauge", choices=("ten", "seven"), default="ten",
+                        help="ten: similarity and common rotation held (the product); seven: similarity only")
+    parser.add_argument("--plain", action="store_true", help="also train without pose refinement")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -268,8 +322,13 @@ def main() -> None:
     print(f"{args.schedule} seed {args.seed}: aligned {al['before'][0]:.3f} deg / {al['before'][1]:.4f} -> "
           f"{al['after'][0]:.3f} / {al['after'][1]:.4f} ({al['ratio'][0]:.2f}x, {al['ratio'][1]:.2f}x); raw "
           f"{raw['before'][0]:.3f} / {raw['before'][1]:.4f} -> {raw['after'][0]:.3f} / {raw['after'][1]:.4f} "
-          f"({raw['ratio'][0]:.2f}x, {raw['ratio'][1]:.2f}x); test PSNR {out['test_psnr']:.2f} dB; "
+          f"({raw['ratio'][0]:.2f}x, {raw['ratio'][1]:.2f}x); test PSNR {out['test_psnr']:.2f} dB"
+          + (f" ({out['plain_test_psnr']:.2f} without refinement)" if args.plain else "") + "; "
           f"{out['seconds']:.0f} s")  # fmt: skip
+    for name in ("before", "after"):
+        axes = out[f"axes_{name}"]
+        print(f"  {name}: common (pitch, yaw, roll) {np.round(axes['common'], 3).tolist()} deg, "
+              f"mean |.| {np.round(axes['mean_abs'], 3).tolist()}")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1, default=str))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import pycolmap
 import pytest
+from PIL import Image
 
 from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
@@ -99,3 +102,66 @@ def test_bad_arguments(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="not a directory"):
         write_demo_scene(tmp_path / "f")
+
+
+def test_camera_distances_cycle_and_keep_the_sphere_in_frame(tmp_path: Path) -> None:
+    """distances=(3, 4.5, 6.5): camera centres at those norms, cycled over the views; at the
+    closest one (the smallest allowed) every sphere point facing the camera projects inside the
+    image, by the loaded pose and intrinsics."""
+    distances = (3.0, 4.5, 6.5)
+    folder = write_demo_scene(tmp_path / "near_far", n_views=8, width=32, height=32, distances=distances)
+    scene = load_scene(folder, test_every=0)
+    views = sorted(scene.train, key=lambda v: v.name)
+    centres = [-(v.viewmat[:3, :3].T.double() @ v.viewmat[:3, 3].double()).numpy() for v in views]
+    expected = [distances[i % 3] for i in range(8)]
+    assert np.allclose([np.linalg.norm(c) for c in centres], expected, atol=1e-5)
+    assert json.loads((folder / "demo-scene.json").read_text())["distances"] == [3.0, 4.5, 6.5]
+    normals = np.random.default_rng(0).normal(size=(4000, 3))
+    normals /= np.linalg.norm(normals, axis=1, keepdims=True)  # the unit sphere at the origin
+    for view, centre in zip(views, centres, strict=True):
+        facing = normals[normals @ centre > 1.0]  # seen from outside: n . (c - n) > 0
+        viewmat, K = view.viewmat.double().numpy(), view.K.double().numpy()
+        cam = facing @ viewmat[:3, :3].T + viewmat[:3, 3]
+        uv = cam[:, :2] / cam[:, 2:] * K.diagonal()[:2] + K[:2, 2]
+        assert (cam[:, 2] > 0).all() and (uv > 0).all() and (uv < 32).all(), view.name
+
+
+@pytest.mark.parametrize("distances", [(), (2.9,), (4.5, float("inf")), (float("nan"),)])
+def test_bad_camera_distances(tmp_path: Path, distances: tuple[float, ...]) -> None:
+    with pytest.raises(UserError, match="camera distances must be finite and >= 3.0"):
+        write_demo_scene(tmp_path / "scene", n_views=4, width=16, height=16, distances=distances)
+    assert not (tmp_path / "scene").exists()
+
+
+def test_default_layout_is_unchanged(tmp_path: Path) -> None:
+    """Without distances or elevations the scene is the one the code wrote before they existed:
+    digests of its decoded pixels and its points, taken from that code (main at 19c8e16)."""
+    folder = write_demo_scene(tmp_path / "scene", n_views=6, width=24, height=24, seed=0)
+    pixels = hashlib.sha256()
+    for path in sorted((folder / "images").glob("*.png")):
+        pixels.update(np.asarray(Image.open(path).convert("RGB")).tobytes())
+    assert pixels.hexdigest() == "84fcc52dc1f434963a90be81b286b93f7e1aa660febe769f8901e2d3b6319646"
+    points = load_scene(folder, test_every=0).points
+    assert hashlib.sha256(points.tobytes()).hexdigest() == (
+        "f914804c59fdf5cf86822231ccc558d9f761b7a575e0266920981ef532e505e4"
+    )
+    assert "distances" not in json.loads((folder / "demo-scene.json").read_text())
+
+
+def test_ring_elevations(tmp_path: Path) -> None:
+    """elevations=(10, 40, 70) over 9 views: three rings of three, each camera at its ring's
+    elevation above the sphere's centre and at the default distance."""
+    folder = write_demo_scene(tmp_path / "rings", n_views=9, width=16, height=16, elevations=(10, 40, 70))
+    views = sorted(load_scene(folder, test_every=0).train, key=lambda v: v.name)
+    centres = np.array([-(v.viewmat[:3, :3].T.double() @ v.viewmat[:3, 3].double()).numpy() for v in views])
+    radius = np.linalg.norm(centres, axis=1)
+    assert np.allclose(radius, 4.5, atol=1e-5)
+    elevation = np.degrees(np.arcsin(centres[:, 2] / radius))
+    assert np.allclose(elevation, [10] * 3 + [40] * 3 + [70] * 3, atol=1e-3)
+
+
+@pytest.mark.parametrize("elevations", [(), (-5.0,), (30.0, 85.0), (float("nan"),), tuple(range(5))])
+def test_bad_ring_elevations(tmp_path: Path, elevations: tuple[float, ...]) -> None:
+    with pytest.raises(UserError, match="ring elevations must be 1 to 4 angles from 0.0 to 80.0 degrees"):
+        write_demo_scene(tmp_path / "scene", n_views=4, width=16, height=16, elevations=elevations)
+    assert not (tmp_path / "scene").exists()

@@ -158,3 +158,19 @@ def test_a_refiner_step_is_adam_less_its_gauge_part(device):
     fit, *_ = np.linalg.lstsq(generators, step.reshape(-1), rcond=None)
     expected = step - (generators @ fit).reshape(10, 6)
     np.testing.assert_allclose(refiner.delta.detach().cpu().double().numpy(), expected, rtol=0, atol=2e-8)
+
+
+def test_the_similarity_gauge_alone_keeps_a_common_rotation():
+    """common_rotation=False: seven directions, a similarity of the world still removed to first
+    order, and a common rotation in the cameras' frames (not a similarity for a rig in general
+    position) mostly kept."""
+    rng = np.random.default_rng(4)
+    mats, pivots = rig(9, rng)
+    basis = gauge_basis([torch.tensor(m) for m in mats], torch.tensor(pivots), 3.0, common_rotation=False)
+    assert basis.shape == (54, 7)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(7, dtype=torch.float64), rtol=0, atol=1e-12)
+    moves = torch.tensor(similarity_corrections(mats, pivots, 3.0, rodrigues(rng.normal(size=3) * 1e-5),
+                                                rng.normal(size=3) * 1e-5, 1 + rng.normal() * 1e-5))  # fmt: skip
+    assert float(without_gauge(moves, basis).norm()) < 1e-4 * float(moves.norm())
+    common = torch.tensor(common_rotation(9, np.array([0.02, -0.01, 0.005])))
+    assert float(without_gauge(common, basis).norm()) > 0.5 * float(common.norm())

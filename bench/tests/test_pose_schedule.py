@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 
-from bench.pose_schedule import Schedule, perturbed
+from bench.pose_schedule import Schedule, axis_errors, perturbed
 from gstrain.config import build_config
 from gstrain.data.colmap import load_scene
 from gstrain.train.pose_align import pose_errors
@@ -53,3 +54,36 @@ def test_scene_phase_holds_the_poses_and_pose_phase_holds_the_scene(demo_scene, 
     moved_rows = trainer.pose_refiner.delta.detach().abs().amax(dim=1) > 0
     assert int(moved_rows.sum()) == 4  # four distinct views, gauge off: only theirs
     assert all(p.requires_grad for p in trainer.params.values())
+
+
+def rodrigues(omega) -> np.ndarray:
+    """exp([omega]x), Rodrigues' formula."""
+    omega = np.asarray(omega, dtype=np.float64)
+    angle = float(np.linalg.norm(omega))
+    k = omega / angle
+    kx = np.array([[0, -k[2], k[1]], [k[2], 0, -k[0]], [-k[1], k[0], 0]])
+    return np.eye(3) + np.sin(angle) * kx + (1 - np.cos(angle)) * kx @ kx
+
+
+def test_axis_errors_read_back_a_known_rotation_in_each_camera_frame():
+    """Each camera turned by a known axis-angle about its own centre, the whole set then moved by
+    a similarity of the world: axis_errors gives minus each turn (the way back), in degrees."""
+    rng = np.random.default_rng(0)
+    truth, estimated, turns = [], [], []
+    world = np.eye(4)
+    world[:3, :3] = rodrigues([0.3, -0.2, 0.5])
+    world[:3, 3] = [1.0, 2.0, -0.5]
+    for _ in range(6):
+        mat = np.eye(4)
+        mat[:3, :3] = rodrigues(rng.normal(size=3))
+        mat[:3, 3] = rng.normal(size=3) * 3
+        turn = rng.normal(size=3) * 0.01
+        turned = mat.copy()
+        turned[:3, :3] = rodrigues(turn) @ mat[:3, :3]
+        turned[:3, 3] = rodrigues(turn) @ mat[:3, 3]  # the same centre
+        moved = turned @ np.linalg.inv(world)  # world points x -> world @ x: the camera follows
+        moved[:3, 3] *= 2.0  # and the world scaled by 2 about the origin after it
+        truth.append(mat)
+        estimated.append(moved)
+        turns.append(turn)
+    np.testing.assert_allclose(axis_errors(estimated, truth), -np.degrees(turns), atol=1e-9)

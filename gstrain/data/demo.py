@@ -9,11 +9,18 @@ With masks=True a distractor, a solid magenta disc that moves from view to view 
 is painted into the images, and masks/ marks it as ignored (black). Views whose index is a
 multiple of DISTRACTOR_FREE_EVERY (the default held-out views, data.test_every=8) stay clean and
 have no mask file, so held-out scores measure whether the distractor leaked into the model.
+
+With distances, the cameras sit at those distances from the sphere's centre (cycled over the
+views) instead of all at CAMERA_DISTANCE, as in a handheld capture where some photos are taken
+close and some far; with elevations, on one ring per elevation instead of ELEVATIONS_DEG's two.
+bench/pose_schedule.py measures what such layouts do to pose refinement.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +35,11 @@ SPHERE_RADIUS = 1.0  # centred at the origin; world z is up
 DISC_Z = -1.0  # the sphere rests on the disc
 DISC_RADIUS = 2.6
 CAMERA_DISTANCE = 4.5
+# the closest a camera may be: the sphere's silhouette (half-angle asin(1 / d)) plus the 0.2 the
+# cameras look below its centre must stay within the half field of view of 25 degrees
+MIN_CAMERA_DISTANCE = 3.0
 ELEVATIONS_DEG = (18.0, 42.0)
+ELEVATION_RANGE_DEG = (0.0, 80.0)  # above the disc, and short of the pole where "up" is undefined
 FOV_DEG = 50.0
 BACKGROUND = np.zeros(3)
 LIGHT = np.array([0.4, -0.5, 0.75]) / np.linalg.norm([0.4, -0.5, 0.75])
@@ -41,25 +52,45 @@ MANIFEST = "demo-scene.json"  # every file the demo scene wrote: all that --forc
 
 def write_demo_scene(
     out_dir: str | Path, n_views: int = 32, width: int = 128, height: int = 128, seed: int = 0,
-    masks: bool = False, force: bool = False,
+    masks: bool = False, force: bool = False, distances: Sequence[float] | None = None,
+    elevations: Sequence[float] | None = None,
 ) -> Path:
     """Write out_dir/images/*.png and out_dir/sparse/0/*.bin (a COLMAP scene) and return out_dir.
 
     masks: also paint the moving distractor and write out_dir/masks/*.png (module docstring).
+    distances: view i's camera at distances[i % len(distances)] from the sphere's centre (None:
+    every camera at CAMERA_DISTANCE); each at least MIN_CAMERA_DISTANCE.
+    elevations: the rings' elevations in degrees, in the order given (None: ELEVATIONS_DEG), each
+    within ELEVATION_RANGE_DEG, at most one ring per view.
     out_dir must be new or empty, or (with force) hold an earlier demo scene: then only the
     files its demo-scene.json lists are replaced (gstrain.scene_folder).
     """
     out = Path(out_dir)
     if n_views < 2 or width < 8 or height < 8:
         raise UserError(f"demo scene needs >= 2 views of >= 8x8 pixels, got {n_views} of {width}x{height}")
+    if distances is not None:
+        distances = tuple(float(d) for d in distances)
+        if not distances or not all(MIN_CAMERA_DISTANCE <= d < math.inf for d in distances):
+            raise UserError(f"demo scene camera distances must be finite and >= {MIN_CAMERA_DISTANCE}, "
+                            f"got {list(distances)}")
+    if elevations is not None:
+        elevations = tuple(float(e) for e in elevations)
+        low, high = ELEVATION_RANGE_DEG
+        if not 1 <= len(elevations) <= n_views or not all(low <= e <= high for e in elevations):
+            raise UserError(f"demo scene ring elevations must be 1 to {n_views} angles from {low} to {high} "
+                            f"degrees, got {list(elevations)}")
     if os.path.lexists(out) and not out.is_dir():
         raise UserError(f"demo scene output is not a directory: {out}")
     check_replace(out, MANIFEST, "demo scene", force)
     with workspace(out, "demo") as work:
         result = work / "scene"
-        _write_scene(result, n_views, width, height, seed, masks)
+        _write_scene(result, n_views, width, height, seed, masks, distances, elevations)
         record = {"gstrain": __version__, "views": n_views, "width": width, "height": height, "seed": seed,
                   "masks": masks}
+        if distances is not None:  # only then: the default scene's files stay as they were
+            record["distances"] = list(distances)
+        if elevations is not None:
+            record["elevations"] = list(elevations)
         try:
             write_manifest(result, MANIFEST, record)
             install(result, out, MANIFEST, work / "previous", "demo scene")
@@ -68,11 +99,12 @@ def write_demo_scene(
     return out
 
 
-def _write_scene(out: Path, n_views: int, width: int, height: int, seed: int, masks: bool) -> None:
+def _write_scene(out: Path, n_views: int, width: int, height: int, seed: int, masks: bool,
+                 distances: tuple[float, ...] | None, elevations: tuple[float, ...] | None) -> None:  # fmt: skip
     rng = np.random.default_rng(seed)
     focal = 0.5 * width / np.tan(np.radians(FOV_DEG) / 2)
     K = np.array([[focal, 0, width / 2], [0, focal, height / 2], [0, 0, 1.0]])
-    poses = [_look_at(center) for center in _camera_centers(n_views)]
+    poses = [_look_at(center) for center in _camera_centers(n_views, distances, elevations)]
 
     image_dir = out / "images"
     model_dir = out / "sparse" / "0"
@@ -105,17 +137,20 @@ def _paint_distractor(pixels: np.ndarray, index: int) -> np.ndarray:
     return dist > radius + 1.0
 
 
-def _camera_centers(n_views: int) -> np.ndarray:
-    """Two rings (low, high); the upper ring is rotated half a step so azimuths interleave."""
-    step = 2 * np.pi * len(ELEVATIONS_DEG) / n_views  # azimuth step within a ring
+def _camera_centers(n_views: int, distances: tuple[float, ...] | None = None,
+                    elevations: tuple[float, ...] | None = None) -> np.ndarray:  # fmt: skip
+    """One ring per elevation (None: ELEVATIONS_DEG's two), ring k turned by k half-steps of azimuth
+    so that neighbouring rings interleave. View i sits at distances[i % len(distances)] (None:
+    CAMERA_DISTANCE) from the origin."""
+    elevations = ELEVATIONS_DEG if elevations is None else elevations
+    step = 2 * np.pi * len(elevations) / n_views  # azimuth step within a ring
     centers = []
     for i in range(n_views):
-        ring = (i * len(ELEVATIONS_DEG)) // n_views
+        ring = (i * len(elevations)) // n_views
         az = i * step + ring * step / 2
-        el = np.radians(ELEVATIONS_DEG[ring])
-        centers.append(
-            CAMERA_DISTANCE * np.array([np.cos(el) * np.cos(az), np.cos(el) * np.sin(az), np.sin(el)])
-        )
+        el = np.radians(elevations[ring])
+        distance = CAMERA_DISTANCE if distances is None else distances[i % len(distances)]
+        centers.append(distance * np.array([np.cos(el) * np.cos(az), np.cos(el) * np.sin(az), np.sin(el)]))
     return np.array(centers)
 
 

@@ -67,16 +67,17 @@ def _cross_columns(vectors: Tensor) -> Tensor:
     return -skew
 
 
-def gauge_basis(viewmats: Sequence[Tensor], pivots: Tensor, extent: float) -> Tensor:
+def gauge_basis(viewmats: Sequence[Tensor], pivots: Tensor, extent: float, common_rotation: bool = True) -> Tensor:
     """An orthonormal basis [V*6, k] (float64, k <= 10) of the corrections that move every camera
-    by one infinitesimal similarity of the world or turn every camera the same way in its own frame
-    (module docstring), in the layout of delta.reshape(-1)."""
+    by one infinitesimal similarity of the world or (with common_rotation) turn every camera the
+    same way in its own frame (module docstring), in the layout of delta.reshape(-1)."""
     mats = torch.stack([torch.as_tensor(m).detach().double().cpu() for m in viewmats])
     rot, trans = mats[:, :3, :3], mats[:, :3, 3]
     n_views = len(mats)
     pivot = torch.zeros(n_views, 3, dtype=torch.float64)
     pivot[:, 2] = pivots.detach().double().cpu()
-    columns = torch.zeros(n_views, 6, GAUGE_DIMENSIONS + COMMON_ROTATION_DIMENSIONS, dtype=torch.float64)
+    held = GAUGE_DIMENSIONS + (COMMON_ROTATION_DIMENSIONS if common_rotation else 0)
+    columns = torch.zeros(n_views, 6, held, dtype=torch.float64)
     # rotation theta: omega = -R theta; tau = (R theta) x (t - p) / extent
     columns[:, :3, 0:3] = -rot
     columns[:, 3:, 0:3] = _cross_columns(trans - pivot) @ rot / extent
@@ -85,7 +86,8 @@ def gauge_basis(viewmats: Sequence[Tensor], pivots: Tensor, extent: float) -> Te
     # scale about the world origin
     columns[:, 3:, 6] = trans / extent
     # the common rotation: omega = w in every camera's frame, tau = 0
-    columns[:, :3, GAUGE_DIMENSIONS:] = torch.eye(3, dtype=torch.float64)[:, :COMMON_ROTATION_DIMENSIONS]
+    if common_rotation:
+        columns[:, :3, GAUGE_DIMENSIONS:] = torch.eye(3, dtype=torch.float64)[:, :COMMON_ROTATION_DIMENSIONS]
     # SVD rather than QR: columns that depend on others (the common rotation of parallel cameras is
     # a world rotation; a single view has six directions only) must not add arbitrary directions
     left, singular, _ = torch.linalg.svd(columns.reshape(n_views * 6, -1), full_matrices=False)
