@@ -456,3 +456,26 @@ def test_scoring_pass_decodes_a_bounded_distance_ahead() -> None:
     assert [int(v.name[1:]) for v in views] == list(range(10))
     assert all(torch.equal(a, r.source.pixels) for a, r in zip([*first, *rest], recipes, strict=True))
     assert sorted(log) == list(range(10))
+
+
+def test_views_read_again_are_asked_for_before_the_samplers_next() -> None:
+    """TrainViews.prefetch(first=...), as a graph engine's redo calls it: the store is asked for
+    those views first, then for the sampler's next ones; a view read without being asked for is
+    counted (unasked)."""
+    views = [LoggedView(i, []) for i in range(9)]
+    store = DiskStore(views, CPU, workers=1, depth=3)
+    train_views = TrainViews(TrainImages(store), [], [])
+    sampler = ViewSampler(9, seed=3)
+    drawn = [train_views.draw(sampler)[0] for _ in range(4)]
+    assert store.unasked == 1  # the first draw: nothing was asked for before it
+    asked = set(store.pending) | set(store.recent.items)
+    again = [i for i in drawn if i not in asked][:2]  # drawn, used, no longer held
+    assert len(again) == 2
+    train_views.prefetch(sampler, first=again)
+    assert list(store.pending)[-2:] == again  # asked for now, in that order
+    for idx in again:
+        assert torch.equal(store.get(idx), views[idx].pixels)
+    assert store.unasked == 1
+    store.get(next(i for i in range(9) if i not in store.pending and i not in store.recent.items))
+    assert store.unasked == 2
+    store.close()

@@ -60,3 +60,32 @@ def test_decode_processes_on_cuda_equal_the_files_while_copies_lag(tmp_path) -> 
         (idx, image), = draw_views(store, sampler)
         assert torch.equal(image, resident.get(idx)), idx
     store.close()
+
+
+def test_a_graph_redo_asks_for_its_streamed_images_ahead(demo_scene, tmp_path, monkeypatch) -> None:
+    """A graph engine's redo reads the redone steps' images again; with images_on=disk the store
+    is asked for them ahead (none read unasked), so the redo does not wait on one decode after
+    another. Pair buffers for a fifth of the most pairs seen make the replays overflow."""
+    from gstrain.config import build_config
+    from gstrain.data.inputs import load_scene
+    from gstrain.train import graph_capacity
+    from gstrain.train.trainer import Trainer
+
+    monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
+    monkeypatch.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
+    cfg = build_config(overrides=[{
+        "train": {"steps": 500, "device": "cuda"}, "data": {"images_on": "disk"},
+        "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15},
+    }])  # fmt: skip
+    scene = load_scene(demo_scene, test_every=cfg.data.test_every, lazy=True)
+    trainer = Trainer(cfg, scene, tmp_path / "run", torch.device("cuda"), log=lambda m: None)
+    trainer.timer.enabled = False
+    assert isinstance(trainer.image_store, DiskStore) and trainer.graphs is not None
+    for step in range(30):
+        trainer.step = step
+        trainer.train_step(step)
+    trainer.graphs.settle()
+    assert trainer.graphs.redos >= 1 and trainer.graphs.redone_steps >= 10, trainer.graphs.summary()
+    assert trainer.image_store.gets >= 30 + trainer.graphs.redone_steps
+    assert trainer.image_store.unasked == 0
+    trainer.image_store.close()

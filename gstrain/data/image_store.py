@@ -254,6 +254,7 @@ class DiskStore(_Base):
         self.staged: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.gets = 0
         self.waits = 0  # gets that found their image not decoded yet
+        self.unasked = 0  # gets of an image prefetch() had not been given
         self.waited_s = 0.0
         self.longest_s = 0.0
         self.wait_at: list[tuple[int, float]] = []  # (get number, seconds) of the first waits: when they came
@@ -308,6 +309,7 @@ class DiskStore(_Base):
             return self.recent.add(idx, self._ready(*staged))
         decoding = self.pending.pop(idx, None)
         if decoding is None:  # not asked for ahead: first in line, a wait all the same
+            self.unasked += 1
             decoding = self.decoder.submit(idx, urgent=True)
         if not decoding.done():
             start = time.perf_counter()

@@ -3,7 +3,7 @@ trainer's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ class TrainViews:
 
     images: a list of resident tensors, or TrainImages (data/image_store.py) over the store that
     data.images_on chose, whose indexing fetches one image (host: its copy started a step ahead;
-    disk: decoded by worker threads in the sampler's order). Engines draw through draw(), which
+    disk: decoded by workers in the sampler's order). Engines draw through draw(), which
     tells the store what comes next, and read sizes through shapes(), which fetches nothing."""
 
     images: TrainImages | list[Tensor]
@@ -50,11 +50,12 @@ class TrainViews:
         self.prefetch(sampler)
         return drawn
 
-    def prefetch(self, sampler: Any) -> None:
+    def prefetch(self, sampler: Any, first: Sequence[int] = ()) -> None:
         """Start fetching the views the sampler will draw next (before the first step, so that it
-        does not wait for its images either); nothing for resident images."""
+        does not wait for its images either); nothing for resident images. `first`: views read
+        again before those (a graph engine's redo of steps already drawn)."""
         if isinstance(self.images, TrainImages):
-            self.images.prefetch(sampler.peek(self.images.lookahead))
+            self.images.prefetch([*first, *sampler.peek(self.images.lookahead)])
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each training image's (H, W, 3), without fetching any."""

@@ -366,8 +366,11 @@ class GraphEngine:
         self.redos += 1
         self.redone_steps += len(redo)
         result = None
+        again_read = [i for _, idxs in redo for i in idxs]  # streamed images: fetched ahead again
         for s, idxs in redo:
+            t.views.prefetch(t.sampler, first=again_read)
             result = self._graph_step(s, idxs)
+            again_read = again_read[len(idxs) :]
         again = self.settle()
         return again if again is not None else result
 
