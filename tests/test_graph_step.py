@@ -13,6 +13,7 @@ from gstrain.dev_config import DevConfig
 from gstrain.render import Renderer
 from gstrain.train import fused_adam
 from gstrain.train.optim import ExponentialDecay
+from gstrain.train.run_state import ViewSampler
 from gstrain.train.strategies.default import DefaultStrategy
 from gstrain.train.timing import PhaseTimer
 
@@ -203,6 +204,7 @@ class _FakeContext:
         self.timer = PhaseTimer(self.device, enabled=False)
         images = [torch.zeros(4, 4, 3, dtype=torch.uint8)] if images is None else images
         self.views = TrainViews(images, [] if cams is None else cams, [None] * len(images))
+        self.sampler = ViewSampler(len(images), 0)
         self.watched = False
         self.corrections: list = []  # per-view corrections (StepContext.corrections): none here
         self.batch_size = batch
