@@ -74,7 +74,8 @@ def test_a_graph_redo_asks_for_its_streamed_images_ahead(demo_scene, tmp_path, m
     monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
     monkeypatch.setattr(graph_capacity, "CAPACITY_MARGIN", 0.2)
     cfg = build_config(overrides=[{
-        "train": {"steps": 500, "device": "cuda"}, "data": {"images_on": "disk"},
+        # two workers look 4 views ahead, fewer than the 14 training views: a redone step's image is gone
+        "train": {"steps": 500, "device": "cuda"}, "data": {"images_on": "disk", "decode_workers": 2},
         "dev": {"cuda_graphs": True}, "render": {"atomic_mode": "warp"},  # warp: no tuning's eager steps
         "strategy": {"refine_start": 4, "refine_every": 10, "reset_every": 15},
     }])  # fmt: skip
@@ -88,6 +89,6 @@ def test_a_graph_redo_asks_for_its_streamed_images_ahead(demo_scene, tmp_path, m
     trainer.graphs.settle()
     g = trainer.graphs
     assert g.redos >= 1 and g.redone_steps >= 10, (g.summary(), g.eager_steps)
-    assert trainer.image_store.gets >= 30 + trainer.graphs.redone_steps
-    assert trainer.image_store.unasked == 0
+    store = trainer.image_store
+    assert store.depth == 4 and store.unasked == 0
     trainer.image_store.close()

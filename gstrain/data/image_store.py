@@ -51,7 +51,7 @@ from gstrain.data.undistort import DenseMaps, UndistortMap, pin_maps, remap
 # threads could not keep up with a 13 ms step
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
 DISK_WORKERS = max(4, min(16, _CORES - 2))  # images_on=disk; two cores stay with the loop and the copies
-DISK_DEPTH = 2 * DISK_WORKERS  # images decoded ahead at most (bounded: the queue's memory is DISK_DEPTH images)
+DEPTH_PER_WORKER = 2  # images decoded ahead at most, per worker (the queue's memory is that many images)
 START_WORKERS = max(4, min(32, _CORES))  # decode threads at start-up (gpu, host)
 
 
@@ -234,9 +234,10 @@ class DiskStore(_Base):
     where = "disk"
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1, workers: int = DISK_WORKERS,
-                 depth: int = DISK_DEPTH, decode_in: str = "processes") -> None:  # fmt: skip
+                 depth: int | None = None, decode_in: str = "processes") -> None:  # fmt: skip
         super().__init__(views, device, per_step)
         self.views = list(views)
+        depth = DEPTH_PER_WORKER * workers if depth is None else depth
         self.depth = self.lookahead = max(depth, self.per_step)
         self.decoder: ProcessDecoder | ThreadDecoder
         if decode_in == "processes" and self.views and processes_available() and all(
