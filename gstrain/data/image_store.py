@@ -89,7 +89,8 @@ def _decode_each(views: Sequence[View], read: Callable[[View], torch.Tensor], pi
 class _Recent:
     """The last few images get() returned, so a second read of a step's image costs nothing; and
     those the sampler draws again within the look-ahead (the end of one pass and the start of the
-    next share views), which would otherwise be fetched again with only a step or two to spare."""
+    next share views), which would otherwise be fetched again with only a step or two to spare.
+    At most `keep` images and the look-ahead's are held."""
 
     def __init__(self, keep: int) -> None:
         self.keep = max(1, keep)
@@ -109,7 +110,7 @@ class _Recent:
         return image
 
     def expect(self, upcoming: Sequence[int]) -> None:
-        """The indices prefetch() was given: kept images outside them go (at most `keep` stay)."""
+        """The indices prefetch() was given: held images outside them go, but the last `keep` returned."""
         self.upcoming = set(upcoming)
         self._trim()
 
