@@ -12,8 +12,6 @@
 namespace gstrain {
 namespace {
 
-
-
 BilateralDims dims_of(const at::Tensor &image, const at::Tensor &grid, const std::optional<at::Tensor> &valid,
                       double luma_r, double luma_g, double luma_b) {
     const at::Device device = image.device();

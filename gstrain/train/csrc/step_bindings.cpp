@@ -14,11 +14,7 @@
 namespace gstrain {
 namespace {
 
-
-
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-
 
 } // namespace
 
