@@ -38,6 +38,9 @@ class DevConfig:
     # replay training steps (one view, or train.batch_size views) as CUDA graphs (our CUDA kernels
     # with ellipse_cull and fused Adam): far less host time a step (gstrain/train/graph_step.py)
     cuda_graphs: bool = True
+    # undistort a streamed or uploaded distorted image in one kernel through its coarse map
+    # (gstrain/data/csrc/remap.cu) instead of F.interpolate to a full-resolution map and F.grid_sample
+    fused_remap: bool = True
     # shN's Adam step inside the backward, slice by slice, so its gradient (180 bytes a Gaussian)
     # is never whole at the step's memory peak (gstrain/train/backward_adam.py): the same update
     adam_in_backward: bool = True

@@ -3,7 +3,7 @@
 This module owns them: their sources, and the one function per extension that builds and loads
 it. The modules that launch the kernels (render/cuda.py, render/sized_projection.py,
 render/sh_colors.py, train/fused_ssim.py, train/fused_adam.py, train/fused_bilateral.py, the
-densification statistics)
+densification statistics, data/undistort.py)
 import their extension from here, and this module imports none of them.
 """
 
@@ -17,6 +17,7 @@ from gstrain.cuda_build import load_extension
 
 _RENDER_CSRC = Path(__file__).resolve().parent / "render" / "csrc"
 _TRAIN_CSRC = Path(__file__).resolve().parent / "train" / "csrc"
+_DATA_CSRC = Path(__file__).resolve().parent / "data" / "csrc"
 
 _RASTER_SOURCES = tuple(_RENDER_CSRC / f for f in (
     "bindings.cpp", "isect_bindings.cpp", "project_bindings.cpp", "raster_fwd.cu", "raster_bwd_scalar.cu",
@@ -35,6 +36,8 @@ _STEP_SOURCES = (_TRAIN_CSRC / "step_bindings.cpp", _TRAIN_CSRC / "step_ops.cu")
 _STEP_HEADERS = (_TRAIN_CSRC / "step_ops.h", _CHECKS_HEADER)
 _BILATERAL_SOURCES = (_TRAIN_CSRC / "bilateral_bindings.cpp", _TRAIN_CSRC / "bilateral.cu")
 _BILATERAL_HEADERS = (_TRAIN_CSRC / "bilateral.h", _CHECKS_HEADER)
+_REMAP_SOURCES = (_DATA_CSRC / "remap_bindings.cpp", _DATA_CSRC / "remap.cu")
+_REMAP_HEADERS = (_DATA_CSRC / "remap.h", _CHECKS_HEADER)
 
 
 def raster() -> ModuleType:
@@ -68,7 +71,15 @@ def bilateral() -> ModuleType:
     )  # fmt: skip
 
 
+def remap() -> ModuleType:
+    """gstrain_remap: the undistortion remap of a uint8 image through its coarse map, in one kernel."""
+    return load_extension(
+        "gstrain_remap", _REMAP_SOURCES, _REMAP_HEADERS,
+        what="the fused undistortion kernel", alternative="set dev.fused_remap=false",
+    )  # fmt: skip
+
+
 # name -> the function that builds (first use) and loads that extension: what `python -m bench.builds` names
 BUILDERS: dict[str, Callable[[], ModuleType]] = {
-    "raster": raster, "ssim": ssim, "step_ops": step_ops, "bilateral": bilateral,
+    "raster": raster, "ssim": ssim, "step_ops": step_ops, "bilateral": bilateral, "remap": remap,
 }  # fmt: skip

@@ -25,7 +25,7 @@ OLD_PLACES = {
 }  # fmt: skip
 # dev keys that never lived anywhere else, with their defaults
 NEW_KEYS = {"adam_in_backward": True, "decode_in": "processes", "fused_bilateral": True,
-            "bilateral_backward": "row_runs"}
+            "bilateral_backward": "row_runs", "fused_remap": True}
 
 
 def test_the_dev_keys_left_the_user_sections():

@@ -52,7 +52,9 @@ def test_decode_processes_on_cuda_equal_the_files_while_copies_lag(tmp_path) -> 
     device = torch.device("cuda")
     store = DiskStore(lazy.train, device, workers=2, depth=2)
     assert isinstance(store.decoder, ProcessDecoder) and store.decoder.pinned
-    resident = ResidentStore(eager.train, device)
+    resident = ResidentStore(lazy.train, device)  # undistorted on the device too: the same kernels
+    for idx, view in enumerate(eager.train):  # and within a level of the CPU's undistortion
+        assert int((resident.get(idx).cpu().int() - view.image.int()).abs().max()) <= 1
     sampler = ViewSampler(len(lazy.train), seed=5)
     for _ in range(3 * len(lazy.train)):
         with torch.cuda.stream(store.stream):

@@ -44,15 +44,16 @@ def distorted_scene(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_streamed_undistorted_on_cuda_equal_resident(distorted_scene: Path) -> None:
+@pytest.mark.parametrize("fused", [True, False])  # dev.fused_remap
+def test_streamed_undistorted_on_cuda_equal_resident(distorted_scene: Path, fused: bool) -> None:
     lazy = load_scene(distorted_scene, factor=2, test_every=0, lazy=True)
     eager = load_scene(distorted_scene, factor=2, test_every=0)  # undistorted on the CPU
-    resident = ResidentStore(lazy.train, CUDA)  # gpu on CUDA: lazy, undistorted on the device
+    resident = ResidentStore(lazy.train, CUDA, fused_remap=fused)  # gpu on CUDA: lazy, undistorted on the device
     for idx, view in enumerate(eager.train):
         diff = (resident.get(idx).cpu().int() - view.image.int()).abs()
         assert int(diff.max()) <= 1
     for kind in (HostStore, DiskStore):
-        store = kind(lazy.train, CUDA)
+        store = kind(lazy.train, CUDA, fused_remap=fused)
         sampler = ViewSampler(len(lazy.train), seed=3)
         for _ in range(3 * len(lazy.train)):
             torch.cuda._sleep(2_000_000)  # a busy step stream: copy and remap must land before the read

@@ -124,7 +124,7 @@ class _Recent:
 class _Base:
     where = ""
 
-    def __init__(self, views: Sequence[View], device: torch.device, per_step: int) -> None:
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int, fused_remap: bool) -> None:
         self.shapes = [view_shape(v) for v in views]
         self.device = device
         self.per_step = max(1, per_step)  # views a step draws (train.batch_size)
@@ -135,12 +135,17 @@ class _Base:
         maps = [view_map(v) for v in views]
         self.maps: list[UndistortMap | None] = pin_maps(maps) if self.cuda else maps
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # copies beside the step
+        self.fused_remap = fused_remap and self.cuda  # dev.fused_remap: one kernel, no dense maps
         self.dense = DenseMaps()  # decode threads finish on the CPU: it locks
 
     def _finish(self, idx: int, decoded: torch.Tensor) -> torch.Tensor:
         """decoded_pixels of view idx, already on its device, as the view's image there."""
         undistort = self.maps[idx]
-        return decoded if undistort is None else remap(decoded, undistort, self.dense.get(undistort, decoded.device))
+        if undistort is None:
+            return decoded
+        if self.fused_remap:
+            return remap(decoded, undistort, fused=True)
+        return remap(decoded, undistort, self.dense.get(undistort, decoded.device))
 
     def _upload(self, idx: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """View idx's image from its decoded_pixels (pinned on CUDA): copied and undistorted on the
@@ -178,8 +183,9 @@ class ResidentStore(_Base):
 
     where = "gpu"
 
-    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
-        super().__init__(views, device, per_step)
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1,
+                 fused_remap: bool = True) -> None:  # fmt: skip
+        super().__init__(views, device, per_step, fused_remap)
         self.images = [self._finish(idx, image.to(device))
                        for idx, image in enumerate(_decode_each(views, decoded_pixels))]
 
@@ -195,8 +201,9 @@ class HostStore(_Base):
 
     where = "host"
 
-    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1) -> None:
-        super().__init__(views, device, per_step)
+    def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1,
+                 fused_remap: bool = True) -> None:  # fmt: skip
+        super().__init__(views, device, per_step, fused_remap)
         self.host = list(_decode_each(views, decoded_pixels, pin=self.cuda))  # not undistorted yet
         self.inflight: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.missed = 0  # gets whose copy had not been started ahead
@@ -235,8 +242,8 @@ class DiskStore(_Base):
     where = "disk"
 
     def __init__(self, views: Sequence[View], device: torch.device, per_step: int = 1, workers: int = DISK_WORKERS,
-                 depth: int | None = None, decode_in: str = "processes") -> None:  # fmt: skip
-        super().__init__(views, device, per_step)
+                 depth: int | None = None, decode_in: str = "processes", fused_remap: bool = True) -> None:  # fmt: skip
+        super().__init__(views, device, per_step, fused_remap)
         self.views = list(views)
         depth = DEPTH_PER_WORKER * workers if depth is None else depth
         self.depth = self.lookahead = max(depth, self.per_step)
@@ -350,16 +357,18 @@ def build_image_store(
     host_available: int | None = None,
     decode_in: str = "processes",
     decode_workers: int = 0,
+    fused_remap: bool = True,
 ) -> ImageStore:
     """The store for data.images_on (auto picks and says so in one line: resolve_images_on).
     per_step: views a step draws (train.batch_size); decode_in: dev.decode_in and decode_workers:
-    data.decode_workers (disk only; 0: DISK_WORKERS)."""
+    data.decode_workers (disk only; 0: DISK_WORKERS); fused_remap: dev.fused_remap."""
     where = resolve_images_on(views, images_on, device, log, device_free, host_available)
     if where == "gpu":
-        return ResidentStore(views, device, per_step)
+        return ResidentStore(views, device, per_step, fused_remap)
     if where == "host":
-        return HostStore(views, device, per_step)
-    return DiskStore(views, device, per_step, workers=decode_workers or DISK_WORKERS, decode_in=decode_in)
+        return HostStore(views, device, per_step, fused_remap)
+    return DiskStore(views, device, per_step, workers=decode_workers or DISK_WORKERS, decode_in=decode_in,
+                     fused_remap=fused_remap)
 
 
 def images_ahead(views: Sequence[View], workers: int = START_WORKERS) -> Iterator[torch.Tensor]:

@@ -26,6 +26,8 @@ import pycolmap
 import torch
 import torch.nn.functional as F
 
+from gstrain import extensions
+
 # Spacing of the coarse map in undistorted pixels (at most; the grid spans the image exactly): 16 px,
 # halved while bilinear interpolation between the nodes strays more than MAP_TOLERANCE px from
 # pycolmap's own map at the cells' and edges' midpoints (where its error peaks). Beer's SIMPLE_RADIAL
@@ -168,14 +170,20 @@ class DenseMaps:
         return dense
 
 
-def remap(image: torch.Tensor, undistort: UndistortMap, dense: DenseMap | None = None) -> torch.Tensor:
+def remap(image: torch.Tensor, undistort: UndistortMap, dense: DenseMap | None = None,
+          fused: bool = False) -> torch.Tensor:  # fmt: skip
     """[H, W, C] uint8 undistorted, on `image`'s device, from the distorted [h, w, C] uint8 `image`
     (h, w: undistort.source); dense: dense_map(undistort, image.device) when the caller keeps it.
-    The same kernels on every device; deterministic."""
+    The same kernels on every device; deterministic. fused (dev.fused_remap; CUDA only): one kernel
+    reads the coarse map and the image (data/csrc/remap.cu), no dense map, the same values up to
+    float rounding (a level, rarely)."""
     if (image.shape[1], image.shape[0]) != undistort.source:
         raise ValueError(f"image is {image.shape[1]}x{image.shape[0]}, the map samples "
                          f"{undistort.source[0]}x{undistort.source[1]}")
     width, height = undistort.size
+    if fused and image.is_cuda:
+        coarse = undistort.grid.to(image.device, non_blocking=True)
+        return extensions.remap().remap_uint8(image.contiguous(), coarse, width, height, not undistort.inside)
     grid, inside = dense if dense is not None else dense_map(undistort, image.device)
     # + 0.5 (the bilinear weights sum to 1), then truncation to uint8: rounded half up, as COLMAP does
     source = image.permute(2, 0, 1).unsqueeze(0) + 0.5  # float32

@@ -75,7 +75,8 @@ class Trainer(RunReporting):
         self.image_store = build_image_store(scene.train, cfg.data.images_on, device, log=log,
                                              per_step=cfg.train.batch_size, device_free=budget_free(cfg, device),
                                              decode_in=cfg.dev.decode_in,
-                                             decode_workers=cfg.data.decode_workers)  # fmt: skip
+                                             decode_workers=cfg.data.decode_workers,
+                                             fused_remap=cfg.dev.fused_remap)  # fmt: skip
         if self.image_store.where != "disk":  # the test views are scored every evaluation: decoded once
             scene.test = decoded(scene.test)
         self.setup_seconds["images"] = time.perf_counter() - began
