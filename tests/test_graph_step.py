@@ -337,3 +337,40 @@ def test_a_canvas_render_without_the_capped_intersection_is_refused():
     for kwargs in ({"ellipse_cull": True}, {"ellipse_cull": False, "budget": budget}):
         with pytest.raises(ValueError, match="pair budget and ellipse_cull"):
             project_splats(params, torch.eye(4), torch.eye(3), 64, 48, valid=valid, **kwargs)
+
+
+def test_a_redo_asks_again_for_the_images_of_the_step_it_runs_before(monkeypatch):
+    """A settle before a step already drawn (an eager step, a new epoch) may redo earlier steps,
+    whose reads push the drawn step's image out of a disk store; the store is asked for it again
+    behind the redone steps' images, so the step reads nothing the store was not asked for."""
+    from test_image_store import LoggedView
+
+    from gstrain.data.image_store import DiskStore, TrainImages
+    from gstrain.train.graph_step import GraphEngine
+
+    views = [LoggedView(i, []) for i in range(12)]  # one pass covers the 9 steps: all distinct views
+    store = DiskStore(views, torch.device("cpu"), workers=1, depth=2, decode_in="threads")
+    t = _FakeContext(images=TrainImages(store), cams=[(torch.eye(4), torch.eye(3))] * len(views))  # type: ignore[arg-type]
+    graphs = GraphEngine(t)
+
+    def graph_step(step: int, idxs: tuple[int, ...]):  # the host's share of a replay, reading its images as _load does
+        fused_adam.advance(t.optimizers)
+        t.scheduler.step()
+        for idx in idxs:
+            t.views.images[idx]
+        graphs.unsettled.append((step, idxs))
+
+    monkeypatch.setattr(graphs, "_graph_step", graph_step)
+    t.views.prefetch(t.sampler)  # as the Trainer does when it is built
+    for step in range(1, 9):
+        graphs._graph_step(step, tuple(t.views.draw(t.sampler)))
+    drawn = t.views.draw(t.sampler)  # step 9's view: read once, kept for the step's reads
+    size = t.views.shapes()[0]
+    graphs.groups.capacities[size] = 1 << 16
+    graphs.groups.stats[size] = torch.tensor([0, 0, 3_000_000])
+    graphs.budget.flag.fill_(5 + 1)  # step 5 overflowed: 5-8 are redone before step 9 runs
+    graphs.settle(drawn)
+    assert graphs.redone_steps == 4
+    assert torch.equal(t.views.images[drawn[0]], views[drawn[0]].pixels)  # step 9 reads its image
+    assert store.unasked == 0 and store.gets == 9 + 4 + 1
+    store.close()

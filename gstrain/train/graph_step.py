@@ -181,7 +181,7 @@ class GraphEngine:
         if reason is None:
             key = self._epoch_key(step)
             if key != self.epoch:
-                self.settle()  # a redo runs with the graphs its steps were captured for
+                self.settle(idxs)  # a redo runs with the graphs its steps were captured for
                 self._new_epoch(key)
             graph_key = self.groups.graph_key(groups)
             self.seen[graph_key] = self.seen.get(graph_key, 0) + 1
@@ -189,7 +189,7 @@ class GraphEngine:
                 return self._graph_step(step, idxs)
             reason = "size_not_captured"
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
-        self.settle()  # an eager step may read what earlier replays wrote (densification)
+        self.settle(idxs)  # an eager step may read what earlier replays wrote (densification)
         if self.graphs and reason in self.drop_for:  # their pool may be reused by this step
             self._new_epoch(None)
             self.pool_drops += 1
@@ -343,9 +343,11 @@ class GraphEngine:
         return _Graph(graph, outputs, tuple(b.capacity for b in budgets))
 
     # ----------------------------------------------------------------- exactness
-    def settle(self) -> StepResult | None:
+    def settle(self, drawn: Sequence[int] = ()) -> StepResult | None:
         """Wait for the replays so far; if a view overflowed its pair budget, redo the steps from
-        that one's on with larger budgets. Returns the last redone step's result (None: no redo)."""
+        that one's on with larger budgets. Returns the last redone step's result (None: no redo).
+        drawn: the views of a step already drawn, run after this: a store of streamed images is
+        asked for them again behind the redone steps' (the redo's reads may have let them go)."""
         if not self.unsettled:
             return None
         first = int(self.budget.flag.item()) - 1  # the one host sync: the flag, a step's tag or 0
@@ -368,10 +370,10 @@ class GraphEngine:
         result = None
         again_read = [i for _, idxs in redo for i in idxs]  # streamed images: fetched ahead again
         for s, idxs in redo:
-            t.views.prefetch(t.sampler, first=again_read)
+            t.views.prefetch(t.sampler, first=[*again_read, *drawn])
             result = self._graph_step(s, idxs)
             again_read = again_read[len(idxs) :]
-        again = self.settle()
+        again = self.settle(drawn)
         return again if again is not None else result
 
     def pair_totals(self) -> tuple[int, int, int]:
