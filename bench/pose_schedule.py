@@ -30,13 +30,15 @@ elevation in degrees (default: 18,42). --gauge ten holds the product's ten gauge
 directions (a similarity of the world and a common rotation in the cameras' frames,
 train/pose_gauge.py); seven holds the similarity alone. --plain also trains the same perturbed
 scene without pose refinement (as train.pose_refine=false ships, the same scene steps) and reports
-its test PSNR.
+its test PSNR. --views N and --size S: the demo scene's view count (default 16, every 8th held
+out) and image side in pixels (default 64).
 
 Prints (and with --json writes) the aligned (umeyama) and raw mean rotation (degrees) and centre
 (fraction of the extent) errors before and after, their ratios, and the test PSNR.
 
     PYTHONPATH=. python -m bench.pose_schedule --schedule alternate --scene-block 200 --pose-block 100 --rounds 3
     PYTHONPATH=. python -m bench.pose_schedule --distances 3,4.5,6.5 --gauge seven --plain
+    PYTHONPATH=. python -m bench.pose_schedule --views 32 --size 128 --plain
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def plain_psnr(folder: Path, run_dir: Path, args: argparse.Namespace) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_demo_scene(Path(tmp) / "scene", n_views=16, width=args.size, height=args.size, seed=0,
+        folder = write_demo_scene(Path(tmp) / "scene", n_views=args.views, width=args.size, height=args.size, seed=0,
                                   distances=args.distances, elevations=args.elevations)  # fmt: skip
         scene = load_scene(folder)
         truth = list(scene.train)
@@ -304,7 +306,8 @@ def main() -> None:
     parser.add_argument("--pose-lr", type=float, default=5e-3)
     parser.add_argument("--pose-lr-final", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1, help="perturbation seed")
-    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--size", type=int, default=64, help="image side in pixels")
+    parser.add_argument("--views", type=int, default=16, help="views of the demo scene (every 8th held out)")
     parser.add_argument("--distances", type=lambda text: tuple(float(d) for d in text.split(",")), default=None,
                         help="camera distances of the demo scene, cycled over the views (default: all 4.5)")
     parser.add_argument("--elevations", type=lambda text: tuple(float(e) for e in text.split(",")), default=None,
