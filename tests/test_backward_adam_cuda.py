@@ -126,6 +126,9 @@ def test_training_with_shn_stepped_in_slices_follows_the_plain_step(demo_scene, 
     for k in plain.params:
         diff = _row_spread(inside.params[k].detach(), plain.params[k].detach())
         noise = _row_spread(again.params[k].detach(), plain.params[k].detach())
-        assert float(diff.max()) <= max(1e-2, 3 * float(noise.max())), (k, float(diff.max()), float(noise.max()))
+        bound = max(1e-2, 3 * float(noise.max()))
+        # the message counts the rows past the bound: one or two (a decision near its threshold) or many
+        over = int((diff > bound).sum())
+        assert float(diff.max()) <= bound, (k, float(diff.max()), float(noise.max()), over, len(diff))
         p, q = inside.params[k], plain.params[k]
         assert float(inside.optimizers[k].state[p]["step"]) == float(plain.optimizers[k].state[q]["step"]), k

@@ -177,7 +177,10 @@ def test_graph_engine_trains_with_int8_moments_as_eager_steps(demo_scene, tmp_pa
     for k in graphed.params:
         rows = _row_spread(graphed.params[k].detach(), eager.params[k].detach())
         noise = _row_spread(again.params[k].detach(), eager.params[k].detach())
-        assert float(rows.max()) <= max(1e-2, 3 * float(noise.max())), (k, float(rows.max()), float(noise.max()))
+        bound = max(1e-2, 3 * float(noise.max()))
+        # the message counts the rows past the bound: one or two (a decision near its threshold) or many
+        over = int((rows > bound).sum())
+        assert float(rows.max()) <= bound, (k, float(rows.max()), float(noise.max()), over, len(rows))
         assert int((rows >= 1e-4).sum()) <= max(0.01 * len(rows), 3 * int((noise >= 1e-4).sum())), k
         q = eager.optimizers[k].param_groups[0]["params"][0]
         p = graphed.optimizers[k].param_groups[0]["params"][0]
