@@ -5,7 +5,9 @@ from pycolmap's own camera functions (the pinhole's cam_from_img, the distorted 
 img_from_cam), evaluated once per camera at load time on a coarse grid (UndistortMap). Torch only
 resamples: at use, the coarse map is upsampled bilinearly to full size and the image is sampled
 bilinearly, so the per-image work is a few kernels on the GPU (or torch on the CPU) instead of
-pycolmap.undistort_image's ~50-70 ms of a CPU core per 720x1280 photo.
+pycolmap.undistort_image's ~50-70 ms of a CPU core per 720x1280 photo. On a GPU with
+dev.fused_remap, one kernel does both per pixel (data/csrc/remap.cu, as torch's kernels compute
+them), so no full-resolution map is made or kept.
 
 The result follows pycolmap.undistort_image (COLMAP's WarpImageBetweenCameras): the top-left pixel
 centre is (0.5, 0.5); a pixel whose source point does not have all four bilinear neighbours inside
