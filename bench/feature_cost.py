@@ -18,6 +18,9 @@ the ratios).
 times the per-image affine and the bilateral grid against the defaults in one call; add
 `--variant bilateral_grid_sample=train.appearance=bilateral,dev.fused_bilateral=false` to time the
 bilateral grid's F.grid_sample path beside its fused kernels in the same call.
+`--set strategy.refine_start=100000` keeps every trainer at the scene's SfM points: with
+densification on, identical trainers part (float atomics, then their densification and graph
+redos) and their totals move by several percent, which hides a cost of 1-2% (the image path's).
 
 Prints ms per step and the ratio to the defaults (total and median of the block ratios) for each
 variant, and the engine each ran. Writes `$OUT/feature_cost.json` when OUT is set.

@@ -108,7 +108,8 @@ def test_resident_store_of_a_lazy_scene_undistorts_as_the_eager_load(distorted_s
     assert scene_is_lazy("gpu", torch.device("cuda")) and not scene_is_lazy("gpu", CPU) and not scene_is_lazy("gpu")
     eager = load_scene(distorted_scene, test_every=0)
     lazy = load_scene(distorted_scene, test_every=0, lazy=True)
-    store = ResidentStore(lazy.train, CPU)
+    store = ResidentStore(lazy.train, CPU)  # dev.fused_remap's default: a CUDA kernel the CPU does not take
+    assert not store.fused_remap
     for idx, view in enumerate(eager.train):
         assert torch.equal(store.get(idx), view.image)
 
