@@ -30,7 +30,10 @@ elevation in degrees (default: 18,42). --gauge ten holds the product's ten gauge
 directions (a similarity of the world and a common rotation in the cameras' frames,
 train/pose_gauge.py); seven holds the similarity alone. --plain also trains the same perturbed
 scene without pose refinement (as train.pose_refine=false ships, the same scene steps) and reports
-its test PSNR. --views N and --size S: the demo scene's view count (default 16, every 8th held
+its test PSNR. --set section.key=value (repeatable) overrides a config key after the script's own
+settings, for both trainers (e.g. --set strategy.refine_start=100 turns densification on; a
+model.sh_degree above 0 needs a train.sh_degree_interval under the steps to take effect).
+--views N and --size S: the demo scene's view count (default 16, every 8th held
 out) and image side in pixels (default 64).
 
 Prints (and with --json writes) the aligned (umeyama) and raw mean rotation (degrees) and centre
@@ -55,9 +58,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gstrain.config import build_config
+from gstrain.config import build_config, parse_override
 from gstrain.data.colmap import load_scene
 from gstrain.data.demo import write_demo_scene
+from gstrain.errors import UserError
 from gstrain.train.pose_align import pose_errors, umeyama
 from gstrain.train.pose_gauge import gauge_basis, without_gauge
 from gstrain.train.pose_refine import correction_matrices
@@ -204,7 +208,7 @@ def plain_psnr(folder: Path, run_dir: Path, args: argparse.Namespace) -> float:
         "train": {"steps": args.steps, "device": "cpu", "pose_refine": False},
         "model": {"sh_degree": 0}, "strategy": {"refine_start": 10**6},
         "log": {"progress_every": 10**6, "ckpt_every": 0, "tb_every": 10**6, "eval_steps": [], "save_steps": []},
-    }])  # fmt: skip
+    }, *args.set])  # fmt: skip
     return float(Trainer(cfg, scene, run_dir, torch.device("cpu"), log=lambda m: None).fit().final_test_psnr)
 
 
@@ -231,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "optim": {"pose_lr": args.pose_lr, "pose_lr_final": args.pose_lr_final},
             "model": {"sh_degree": 0}, "strategy": {"refine_start": 10**6},
             "log": {"progress_every": 10**6, "ckpt_every": 0, "tb_every": 10**6, "eval_steps": [], "save_steps": []},
-        }])  # fmt: skip
+        }, *args.set])  # fmt: skip
         trainer = Trainer(cfg, scene, Path(tmp) / "run", torch.device("cpu"), log=lambda m: None)
         trainer._begin(False, None)  # seeded as fit seeds a new run
         trainer.record = RunRecord(first_step=0, max_gaussians=trainer.gaussian_count())
@@ -269,12 +273,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phase_done("polish")
         refined = trainer.pose_refiner.refined(given)
         psnr = trainer.evaluate_test()["psnr"]
+        gaussians = trainer.gaussian_count()
         extent = scene.extent
         plain = plain_psnr(folder, Path(tmp) / "plain", args) if args.plain else None
     out: dict[str, Any] = {
         "args": vars(args),
         "test_psnr": psnr,
         "plain_test_psnr": plain,
+        "gaussians": gaussians,
         "seconds": time.perf_counter() - began,
         "phases": phases,
     }
@@ -286,6 +292,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         axes = axis_errors(arrays(views), arrays(truth))
         out[f"axes_{name}"] = {"common": axes.mean(axis=0).tolist(), "mean_abs": np.abs(axes).mean(axis=0).tolist()}
     return out
+
+
+def _override(text: str) -> dict[str, Any]:
+    try:
+        return parse_override(text)
+    except UserError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main() -> None:
@@ -315,6 +328,9 @@ def main() -> None:
     parser.add_argument("--gauge", choices=("ten", "seven"), default="ten",
                         help="ten: similarity and common rotation held (the product); seven: similarity only")
     parser.add_argument("--plain", action="store_true", help="also train without pose refinement")
+    parser.add_argument("--set", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override (section.key=value, repeatable), applied after the script's own "
+                             "to both the refined and the --plain trainer")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -327,7 +343,7 @@ def main() -> None:
           f"{raw['before'][0]:.3f} / {raw['before'][1]:.4f} -> {raw['after'][0]:.3f} / {raw['after'][1]:.4f} "
           f"({raw['ratio'][0]:.2f}x, {raw['ratio'][1]:.2f}x); test PSNR {out['test_psnr']:.2f} dB"
           + (f" ({out['plain_test_psnr']:.2f} without refinement)" if args.plain else "") + "; "
-          f"{out['seconds']:.0f} s")  # fmt: skip
+          f"{out['gaussians']} Gaussians; {out['seconds']:.0f} s")  # fmt: skip
     for name in ("before", "after"):
         axes = out[f"axes_{name}"]
         print(f"  {name}: common (pitch, yaw, roll) {np.round(axes['common'], 3).tolist()} deg, "
