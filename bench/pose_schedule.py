@@ -34,7 +34,8 @@ its test PSNR. --set section.key=value (repeatable) overrides a config key after
 settings, for both trainers (e.g. --set strategy.refine_start=100 turns densification on; a
 model.sh_degree above 0 needs a train.sh_degree_interval under the steps to take effect).
 --views N and --size S: the demo scene's view count (default 16, every 8th held
-out) and image side in pixels (default 64).
+out) and image side in pixels (default 64). --gauge-free draws the perturbation orthogonal to the
+ten held gauge directions, each view still moved by exactly 1 degree and 1% (perturbed()).
 
 Prints (and with --json writes) the aligned (umeyama) and raw mean rotation (degrees) and centre
 (fraction of the extent) errors before and after, their ratios, and the test PSNR.
@@ -69,18 +70,32 @@ from gstrain.train.run_record import RunRecord
 from gstrain.train.trainer import Trainer
 
 
-def perturbed(views: list[Any], extent: float, seed: int, degrees: float = 1.0, fraction: float = 0.01) -> list[Any]:
+def perturbed(views: list[Any], extent: float, seed: int, degrees: float = 1.0, fraction: float = 0.01,
+              gauge_free: bool = False) -> list[Any]:
     """Each view's pose moved by `degrees` about a random axis and `fraction` of the extent in a
-    random direction, in its camera frame (the same draw as the known-answer test's)."""
+    random direction, in its camera frame (the same draw as the known-answer test's).
+
+    gauge_free: the draws are then made orthogonal to the ten held gauge directions at the true
+    poses (train/pose_gauge.py), by alternating projection and renormalisation of each view's
+    rotation and translation, so each view still moves by exactly `degrees` and `fraction`."""
     rng = np.random.default_rng(seed)
-    out = []
-    for view in views:
+    draws = []
+    for _ in views:
         axis, direction = (v / np.linalg.norm(v) for v in rng.normal(size=(2, 3)))
-        delta = torch.tensor(np.concatenate([axis * math.radians(degrees), direction * fraction]))[None]
-        fix = correction_matrices(delta, extent, torch.zeros(1, dtype=torch.float64))[0]
-        moved = fix @ view.viewmat.double()
-        out.append(dataclasses.replace(view, viewmat=moved.float()))
-    return out
+        draws.append(np.concatenate([axis * math.radians(degrees), direction * fraction]))
+    delta = torch.tensor(np.array(draws))
+    zero_pivots = torch.zeros(len(views), dtype=torch.float64)
+    if gauge_free:
+        basis = gauge_basis([v.viewmat for v in views], zero_pivots, extent)
+        for _ in range(200):
+            delta = without_gauge(delta, basis)
+            delta[:, :3] *= math.radians(degrees) / delta[:, :3].norm(dim=1, keepdim=True)
+            delta[:, 3:] *= fraction / delta[:, 3:].norm(dim=1, keepdim=True)
+        left = (basis.T @ delta.reshape(-1, 1)).norm() / delta.norm()
+        print(f"  gauge-free perturbation: {float(left):.1e} of it left in the gauge")
+    fixes = correction_matrices(delta, extent, zero_pivots)
+    return [dataclasses.replace(view, viewmat=(fix @ view.viewmat.double()).float())
+            for view, fix in zip(views, fixes, strict=True)]
 
 
 def axis_errors(estimated: list[np.ndarray], truth: list[np.ndarray]) -> np.ndarray:
@@ -203,7 +218,7 @@ class Schedule:
 def plain_psnr(folder: Path, run_dir: Path, args: argparse.Namespace) -> float:
     """Test PSNR of the same perturbed scene trained for --steps without pose refinement."""
     scene = load_scene(folder)
-    scene.train = perturbed(list(scene.train), scene.extent, args.seed)
+    scene.train = perturbed(list(scene.train), scene.extent, args.seed, gauge_free=args.gauge_free)
     cfg = build_config(overrides=[{
         "train": {"steps": args.steps, "device": "cpu", "pose_refine": False},
         "model": {"sh_degree": 0}, "strategy": {"refine_start": 10**6},
@@ -219,7 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   distances=args.distances, elevations=args.elevations)  # fmt: skip
         scene = load_scene(folder)
         truth = list(scene.train)
-        scene.train = perturbed(truth, scene.extent, args.seed)
+        scene.train = perturbed(truth, scene.extent, args.seed, gauge_free=args.gauge_free)
         given = list(scene.train)
         if args.schedule == "joint":
             scene_total, pose_updates = args.steps, args.steps
@@ -328,6 +343,8 @@ def main() -> None:
     parser.add_argument("--gauge", choices=("ten", "seven"), default="ten",
                         help="ten: similarity and common rotation held (the product); seven: similarity only")
     parser.add_argument("--plain", action="store_true", help="also train without pose refinement")
+    parser.add_argument("--gauge-free", action="store_true",
+                        help="perturb orthogonally to the ten held gauge directions (perturbed())")
     parser.add_argument("--set", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="a config override (section.key=value, repeatable), applied after the script's own "
                              "to both the refined and the --plain trainer")  # fmt: skip
