@@ -218,7 +218,7 @@ class Schedule:
 def plain_psnr(folder: Path, run_dir: Path, args: argparse.Namespace) -> float:
     """Test PSNR of the same perturbed scene trained for --steps without pose refinement."""
     scene = load_scene(folder)
-    scene.train = perturbed(list(scene.train), scene.extent, args.seed, gauge_free=args.gauge_free)
+    scene.train = perturbed(list(scene.train), scene.extent, args.seed, args.degrees, args.fraction, args.gauge_free)
     cfg = build_config(overrides=[{
         "train": {"steps": args.steps, "device": "cpu", "pose_refine": False},
         "model": {"sh_degree": 0}, "strategy": {"refine_start": 10**6},
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   distances=args.distances, elevations=args.elevations)  # fmt: skip
         scene = load_scene(folder)
         truth = list(scene.train)
-        scene.train = perturbed(truth, scene.extent, args.seed, gauge_free=args.gauge_free)
+        scene.train = perturbed(truth, scene.extent, args.seed, args.degrees, args.fraction, args.gauge_free)
         given = list(scene.train)
         if args.schedule == "joint":
             scene_total, pose_updates = args.steps, args.steps
@@ -334,6 +334,8 @@ def main() -> None:
     parser.add_argument("--pose-lr", type=float, default=5e-3)
     parser.add_argument("--pose-lr-final", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1, help="perturbation seed")
+    parser.add_argument("--degrees", type=float, default=1.0, help="each view's perturbation rotation")
+    parser.add_argument("--fraction", type=float, default=0.01, help="each view's perturbation shift / extent")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")
     parser.add_argument("--views", type=int, default=16, help="views of the demo scene (every 8th held out)")
     parser.add_argument("--distances", type=lambda text: tuple(float(d) for d in text.split(",")), default=None,
