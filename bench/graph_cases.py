@@ -73,20 +73,23 @@ def eager_steps_on_the_canvas(monkeypatch: Any, canvas: tuple[int, int]) -> None
     monkeypatch.setattr(StepRunner, "run", on_canvas)
 
 
-def graph_and_two_eager(scene: Scene, root: Path, steps: int, monkeypatch: Any, overflow: bool = False,
-                        **trainer: Any) -> tuple[Trainer, Trainer, Trainer, dict[str, list[float]]]:  # fmt: skip
-    """A graph run and two eager runs from the same start (graph_trainer's, with `trainer`'s keys),
-    `steps` steps each, and every step's exact loss by run name (a graph run's settled, so a redone
-    replay's loss counts). The second eager run measures what float atomics alone part two runs
-    by. overflow: pair buffers for a fifth of the most pairs seen, so the first replays overflow
-    and are redone (`monkeypatch`: pytest's, undone by its owner)."""
+def graph_and_eager_runs(
+    scene: Scene, root: Path, steps: int, monkeypatch: Any, overflow: bool = False, repeats: int = 1, **trainer: Any
+) -> tuple[dict[str, Trainer], dict[str, list[float]]]:
+    """A graph run ("graph"), an eager run ("eager") and `repeats` more eager runs ("again",
+    "again2", ...) from the same start (graph_trainer's, with `trainer`'s keys), `steps` steps
+    each, and every step's exact loss by run name (a graph run's settled, so a redone replay's loss
+    counts). The repeated eager runs measure what float atomics alone part two runs by. overflow:
+    pair buffers for a fifth of the most pairs seen, so the first replays overflow and are redone
+    (`monkeypatch`: pytest's, undone by its owner)."""
     from gstrain.train import graph_capacity
     from gstrain.train.trainer import seed_everything
 
+    names = ["graph", "eager", *(("again" if k == 0 else f"again{k + 1}") for k in range(repeats))]
     runs = {}
-    for name, graphs in (("graph", True), ("eager", False), ("again", False)):
+    for name in names:
         seed_everything(0)
-        runs[name] = graph_trainer(scene, root, name, graphs=graphs, **trainer)
+        runs[name] = graph_trainer(scene, root, name, graphs=name == "graph", **trainer)
     assert runs["graph"].engine.name == "graph" and runs["eager"].engine.name == "eager"
     if overflow:
         monkeypatch.setattr(graph_capacity, "CAPACITY_ROUND", 64)
@@ -101,6 +104,14 @@ def graph_and_two_eager(scene: Scene, root: Path, steps: int, monkeypatch: Any, 
                 redone = run.graphs.settle()
                 loss = redone.loss if redone is not None else loss
             losses[name].append(float(loss))
+    return runs, losses
+
+
+def graph_and_two_eager(scene: Scene, root: Path, steps: int, monkeypatch: Any, overflow: bool = False,
+                        **trainer: Any) -> tuple[Trainer, Trainer, Trainer, dict[str, list[float]]]:  # fmt: skip
+    """graph_and_eager_runs with one repeated eager run: the graph, eager and repeated runs, and the
+    losses by run name."""
+    runs, losses = graph_and_eager_runs(scene, root, steps, monkeypatch, overflow, **trainer)
     return runs["graph"], runs["eager"], runs["again"], losses
 
 

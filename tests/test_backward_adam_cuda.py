@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from test_graph_cuda import STRAY_ROWS
 from torch import Tensor
 
 from bench.graph_cases import graph_trainer
@@ -127,8 +128,14 @@ def test_training_with_shn_stepped_in_slices_follows_the_plain_step(demo_scene, 
         diff = _row_spread(inside.params[k].detach(), plain.params[k].detach())
         noise = _row_spread(again.params[k].detach(), plain.params[k].detach())
         bound = max(1e-2, 3 * float(noise.max()))
-        # the message counts the rows past the bound: one or two (a decision near its threshold) or many
+        # A new Gaussian's first Adam step is lr * sign(g), so where float atomics give its near-zero
+        # gradient the other sign the row parts by 2 lr (seen on the H200: one shN row of 9,225 at
+        # 0.0254 of shN's largest value, 2 * 1.25e-4 / 0.0098, in most runs); a lost or doubled
+        # step moves nearly every row. So STRAY_ROWS of them may pass the bound by up to 2 lr.
+        lr = float(plain.optimizers[k].param_groups[0]["lr"])
+        flip = 2 * lr / float(plain.params[k].abs().max().clamp_min(1e-12))
         over = int((diff > bound).sum())
-        assert float(diff.max()) <= bound, (k, float(diff.max()), float(noise.max()), over, len(diff))
+        report = (k, float(diff.max()), float(noise.max()), bound, flip, over, len(diff))
+        assert over <= STRAY_ROWS * len(diff) and float(diff.max()) <= bound + flip, report
         p, q = inside.params[k], plain.params[k]
         assert float(inside.optimizers[k].state[p]["step"]) == float(plain.optimizers[k].state[q]["step"]), k

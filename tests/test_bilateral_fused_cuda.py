@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_appearance_graph_cuda import MODELS, _exposed, _same_losses, _same_table
+from test_appearance_graph_cuda import MODELS, REPEATS, _exposed, _same_losses, _same_table
 
 from bench.graph_cases import graph_trainer
 from gstrain.data.colmap import load_scene
@@ -176,13 +176,15 @@ def test_the_kernels_run_in_a_cuda_graph_and_read_valid_on_the_device(backward):
 
 
 def test_eager_training_with_the_kernels_follows_grid_sample(demo_scene, tmp_path):
-    """30 eager steps with train.appearance=bilateral (TV on), the switch on against two runs with it
-    off: losses and the learned grids agree within what two grid_sample runs part by."""
+    """30 eager steps with train.appearance=bilateral (TV on), the switch on against runs with it
+    off: losses and the learned grids agree within what grid_sample runs part by (REPEATS of them
+    beside the compared one)."""
     from gstrain.train.trainer import seed_everything
 
     scene = _exposed(load_scene(demo_scene))
     runs = {}
-    for name, fused in (("fused", True), ("plain", False), ("again", False)):
+    agains = [f"again{k}" for k in range(REPEATS)]
+    for name, fused in (("fused", True), ("plain", False), *((again, False) for again in agains)):
         seed_everything(0)
         runs[name] = graph_trainer(scene, tmp_path, name, graphs=False, train=MODELS["bilateral"],
                                    dev={"fused_bilateral": fused})  # fmt: skip
@@ -193,6 +195,6 @@ def test_eager_training_with_the_kernels_follows_grid_sample(demo_scene, tmp_pat
             torch.cuda.manual_seed(1000 + step)
             run.step = step
             losses[name].append(float(run.train_step(step)[0]))
-    renamed = {"graph": losses["fused"], "eager": losses["plain"], "again": losses["again"]}
+    renamed = {"graph": losses["fused"], "eager": losses["plain"], **{again: losses[again] for again in agains}}
     _same_losses(renamed)
-    _same_table(runs["fused"], runs["plain"], runs["again"])
+    _same_table(runs["fused"], runs["plain"], [runs[again] for again in agains])
