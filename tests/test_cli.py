@@ -113,6 +113,7 @@ def test_fit_eval_export_on_demo(demo_scene, tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["status"] == "done" and summary["steps"] == 150
+    assert "pose_refinement" not in summary  # only with train.pose_refine
     # Training must clearly beat the initial point-cloud render on held-out views.
     assert summary["final_test_psnr"] > summary["initial_test_psnr"] + 4.0, summary
     # the test curve: step 0 and the last step (the final figures are the last evaluation's)

@@ -6,6 +6,7 @@ back towards the true ones)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -156,6 +157,24 @@ def test_render_and_eval_read_the_refined_training_poses(demo_scene, tmp_path):
         np.testing.assert_allclose(view.viewmat.double().numpy(), expected, atol=1e-5)
     for view, original in zip(opened.scene.test, given.test, strict=True):  # test views: as given
         assert torch.equal(view.viewmat, original.viewmat)
+    # the run says how far each camera moved: the turn is the correction's angle |omega| (Rodrigues),
+    # the centres' distance from the same corrections in numpy, in float64
+    change = json.loads((run / "train_summary.json").read_text())["pose_refinement"]
+    expected = {}
+    for original, d, pivot in zip(given.train, delta, pivots, strict=True):
+        a = original.viewmat.double().numpy()
+        b = corrected(d, given.extent, a, pivot)
+        shift = np.linalg.norm(np.linalg.solve(a[:3, :3], a[:3, 3]) - np.linalg.solve(b[:3, :3], b[:3, 3]))
+        expected[original.name] = (math.degrees(np.linalg.norm(d[:3])), shift / given.extent)
+    assert set(change["views"]) == set(expected)
+    for name, (angle, shift) in expected.items():
+        assert change["views"][name] == pytest.approx([angle, shift], rel=1e-5, abs=1e-9), name
+    most = max(expected, key=lambda name: expected[name][0])
+    assert change["rotation_deg"]["max_view"] == most
+    assert change["rotation_deg"]["median"] == pytest.approx(float(np.median([a for a, _ in expected.values()])),
+                                                             rel=1e-5)  # fmt: skip
+    assert change["centre_of_extent"]["max"] == pytest.approx(max(s for _, s in expected.values()), rel=1e-5)
+    assert "pose refinement moved the training cameras by" in err
 
 
 @pytest.mark.parametrize(("key", "value"), [("optim.pose_lr", "-1"), ("optim.pose_lr_final", "nan"),

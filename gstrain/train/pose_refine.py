@@ -39,6 +39,7 @@ Test views get no correction: their poses are not learned, so `gstrain eval` sco
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -234,6 +235,48 @@ class PoseRefiner:
     def refined(self, views: Sequence[View]) -> list[View]:
         """The training views with their learned poses (no gradients)."""
         return refined_views(views, self.state_dict())
+
+    @torch.no_grad()
+    def change(self, names: Sequence[str]) -> dict[str, Any]:
+        """How far the corrections move each training camera (named by `names`, in training order)
+        from its given pose: pose_change of the given and the corrected world-to-camera matrices."""
+        delta = self.delta.detach().double().cpu()
+        fixes = correction_matrices(delta, self.extent, self.pivots.detach().double().cpu())
+        return pose_change(self.viewmats, [fix @ m for fix, m in zip(fixes, self.viewmats, strict=True)],
+                           self.extent, names)  # fmt: skip
+
+
+def pose_change(given: Sequence[Tensor], moved: Sequence[Tensor], extent: float,
+                names: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+    """Each camera's change from `given` to `moved` (world-to-camera [4,4] matrices): the angle of
+    the rotation between them in degrees, and the distance between their centres as a fraction of
+    `extent`; per view by name, and their medians and maxima with the view that moved most."""
+    rotation, centre = {}, {}
+    for name, a, b in zip(names, given, moved, strict=True):
+        a, b = a.double(), b.double()
+        # inverses, not transposes: a float32 pose is orthonormal only to ~1e-7, which would move
+        # the angle of a 0.2 degree turn by ~1e-3 degrees
+        turn = b[:3, :3] @ torch.linalg.inv(a[:3, :3])
+        axis = torch.stack([turn[2, 1] - turn[1, 2], turn[0, 2] - turn[2, 0], turn[1, 0] - turn[0, 1]])
+        # atan2 of sin and cos keeps small angles exact, where acos of the trace would lose them
+        rotation[name] = math.degrees(math.atan2(float(axis.norm()) / 2, (float(turn.trace()) - 1) / 2))
+        shift = torch.linalg.solve(a[:3, :3], a[:3, 3]) - torch.linalg.solve(b[:3, :3], b[:3, 3])
+        centre[name] = float(shift.norm()) / extent
+
+    def spread(values: dict[str, float]) -> dict[str, Any]:
+        most = max(values, key=values.__getitem__)
+        return {"median": statistics.median(values.values()), "max": values[most], "max_view": most}
+
+    return {"rotation_deg": spread(rotation), "centre_of_extent": spread(centre),
+            "views": {name: [rotation[name], centre[name]] for name in names}}  # fmt: skip
+
+
+def describe_change(change: dict[str, Any]) -> str:
+    """One line for the log: how far refinement moved the training cameras (pose_change)."""
+    rot, centre = change["rotation_deg"], change["centre_of_extent"]
+    return (f"pose refinement moved the training cameras by {rot['median']:.3f} deg (median; at most "
+            f"{rot['max']:.3f}, {rot['max_view']}) and {centre['median']:.2%} of the scene extent (at most "
+            f"{centre['max']:.2%}, {centre['max_view']})")
 
 
 def pose_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:

@@ -56,6 +56,7 @@ class RunRecord:
     graphs: dict[str, int] | None = None  # dev.cuda_graphs: captures, graph steps, redos, capacity
     startup_s: float | None = None  # from the process's start to its first training step (None: not known)
     startup_phases: dict[str, float] = field(default_factory=dict)  # the trainer's own parts of it, seconds
+    pose_change: dict[str, Any] | None = None  # train.pose_refine: how far the cameras moved (pose_change)
 
     def add_pairs(self, pairs: tuple[int, int, int] | None) -> None:
         if pairs is not None:
@@ -132,6 +133,8 @@ def write_run_record(
                                            "after_cull": round(record.pairs_after / record.pairs_views)}
     if record.graphs is not None:
         summary["cuda_graphs"] = dict(record.graphs)
+    if record.pose_change is not None:  # degrees and fractions of the scene extent, per view and overall
+        summary["pose_refinement"] = record.pose_change
     if record.rebalanced_at:
         summary["rebalanced_at"] = list(record.rebalanced_at)
     if record.comm_sent or record.comm_received:  # the writing rank's own exchange, per step

@@ -39,7 +39,7 @@ from gstrain.train.initial_model import initial_params
 from gstrain.train.masking import prepare_mask
 from gstrain.train.memory_budget import budget_free, budget_gate
 from gstrain.train.optim import build_means_scheduler, build_optimizers
-from gstrain.train.pose_refine import attach_pose_refiner
+from gstrain.train.pose_refine import attach_pose_refiner, describe_change
 from gstrain.train.reporting import RunReporting, memory_text
 from gstrain.train.run_record import FitResult, RunRecord, seconds_since_process_start, write_run_record
 from gstrain.train.run_state import Agreement, ViewSampler, _Due, _rng_state, _set_rng_state, _StopFlag, seed_everything
@@ -427,6 +427,9 @@ class Trainer(RunReporting):
             final_test_psnr=final["psnr"] if final else None, checkpoint=ckpt,
             final_train_psnr=last_psnr if math.isfinite(last_psnr) else None, startup_s=self.record.startup_s,
         )
+        if self.lead and self.pose_refiner is not None and status != "nan":
+            self.record.pose_change = self.pose_refiner.change([v.name for v in self.scene.train])
+            self.log(f"gstrain: {describe_change(self.record.pose_change)}")
         if self.lead:
             on_ours = self.renderer.backend == "cuda"  # the atomic mode means something on our kernels only
             write_run_record(self.run_dir, self.record, result, final, train_views, self.backend_label(),
