@@ -47,9 +47,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # The result is on disk: leave without the interpreter's teardown, where a native thread still
-    # running as it ends can abort the process (seen: std::terminate in a worker thread's forced
-    # unwind at exit, in about 1 of 4 runs of a two-rank test, after its work was done).
+    # The result is on disk: leave without the interpreter's teardown, as cli.main does for a
+    # torchrun rank. gloo's worker threads may still be finishing a collective and need the GIL that
+    # teardown takes away (seen: std::terminate in a thread's forced unwind at exit, after the work
+    # was done, in 3 of 11 runs of a two-rank test on one machine).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
