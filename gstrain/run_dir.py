@@ -28,6 +28,7 @@ from gstrain.errors import UserError
 from gstrain.files import make_dir, write_text_atomic
 from gstrain.render.sh import sh_degree_at
 from gstrain.run_lock import LOCK_FILE, RunLock
+from gstrain.signals import stop_signals_deferred
 from gstrain.train.checkpoint import find_checkpoint, list_checkpoints, set_aside
 from gstrain.train.run_record import SUMMARY_FILE
 
@@ -91,18 +92,20 @@ def check_new_run_dir(run_dir: Path) -> bool:
 
 
 def create_run_dir(run_dir: Path, scene: Path, cfg: Config, lock: RunLock | None = None) -> None:
-    """The run folder of a fresh fit; `lock` is taken before its first file is written."""
+    """The run folder of a fresh fit; `lock` is taken before its first file is written. A Ctrl-C
+    or SIGTERM meanwhile waits for run.json, so the folder is left as one a fit takes up again."""
     check_new_run_dir(run_dir)
-    make_dir(run_dir)
-    if lock is not None:
-        lock.acquire()
-        check_new_run_dir(run_dir)  # again under the lock: a fit that started meanwhile has written it
-    save_config(cfg, run_dir / CONFIG_FILE)
     meta = {"scene": str(scene.resolve()), "created": time.strftime("%Y-%m-%d %H:%M:%S"), "gstrain": __version__}
     digest = _scene_digest_or_none(scene)
     if digest is not None:  # fit has loaded the scene by now; only a caller without one has none
         meta[SCENE_DIGEST] = digest
-    write_text_atomic(run_dir / RUN_FILE, json.dumps(meta, indent=2))
+    with stop_signals_deferred():
+        make_dir(run_dir)
+        if lock is not None:
+            lock.acquire()
+            check_new_run_dir(run_dir)  # again under the lock: a fit that started meanwhile has written it
+        save_config(cfg, run_dir / CONFIG_FILE)
+        write_text_atomic(run_dir / RUN_FILE, json.dumps(meta, indent=2))
 
 
 def _scene_digest_or_none(scene: Path) -> str | None:

@@ -117,6 +117,38 @@ def test_ctrl_c_while_starting_is_one_line(demo_scene: Path, tmp_path: Path) -> 
     assert not run.exists() or (run / "run.json").is_file()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_run_folder_is_made_waits_for_its_run_json(demo_scene: Path, tmp_path: Path, monkeypatch,
+                                                                     sig: int) -> None:  # fmt: skip
+    """A Ctrl-C or SIGTERM that lands between the run folder's first file and its run.json (the
+    window the test above can hit) stops the fit only once run.json is written."""
+    import gstrain.run_dir as run_dir_module
+    from gstrain.config import build_config
+    from gstrain.run_lock import RunLock
+    from gstrain.signals import install_term_handler
+
+    term_before = signal.getsignal(signal.SIGTERM)
+    install_term_handler()  # as the CLI does: SIGTERM raises KeyboardInterrupt
+    saved = run_dir_module.save_config
+
+    def stopped_midway(cfg, path):  # the signal arrives with the lock taken, before config.yaml
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)  # time for a handler to run, were it the stopping one
+        saved(cfg, path)
+
+    monkeypatch.setattr(run_dir_module, "save_config", stopped_midway)
+    run = tmp_path / "run"
+    lock = RunLock(run)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_dir_module.create_run_dir(run, demo_scene, build_config(), lock)
+    finally:
+        lock.release()
+        signal.signal(signal.SIGTERM, term_before)
+    assert (run / "run.json").is_file() and (run / "config.yaml").is_file()
+    assert run_dir_module.check_new_run_dir(run)  # a fresh fit takes it up
+
+
 def _decode_workers_of(pid: int) -> list[int]:
     """The pids of `pid`'s children running gstrain's decode worker (from /proc)."""
     found = []
