@@ -127,8 +127,10 @@ def test_a_stop_while_the_run_folder_is_made_waits_for_its_run_json(demo_scene: 
     from gstrain.run_lock import RunLock
     from gstrain.signals import install_term_handler
 
-    term_before = signal.getsignal(signal.SIGTERM)
+    term_before, int_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     install_term_handler()  # as the CLI does: SIGTERM raises KeyboardInterrupt
+    # and Ctrl-C too, as in a fresh process (an earlier test in this worker may have left it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     saved = run_dir_module.save_config
 
     def stopped_midway(cfg, path):  # the signal arrives with the lock taken, before config.yaml
@@ -145,6 +147,7 @@ def test_a_stop_while_the_run_folder_is_made_waits_for_its_run_json(demo_scene: 
     finally:
         lock.release()
         signal.signal(signal.SIGTERM, term_before)
+        signal.signal(signal.SIGINT, int_before)
     assert (run / "run.json").is_file() and (run / "config.yaml").is_file()
     assert run_dir_module.check_new_run_dir(run)  # a fresh fit takes it up
 
