@@ -51,6 +51,7 @@ from gstrain.errors import UserError
 from gstrain.train.corrections import saved_correction
 from gstrain.train.device_feed import DeviceFeed
 from gstrain.train.pose_adam import row_adam_step
+from gstrain.train.pose_align import view_errors
 from gstrain.train.pose_gauge import gauge_basis
 
 STATE_KEY = "pose_refine"  # its name among the checkpoint's corrections (train/corrections.py)
@@ -250,18 +251,11 @@ def pose_change(given: Sequence[Tensor], moved: Sequence[Tensor], extent: float,
                 names: Sequence[str]) -> dict[str, Any]:  # fmt: skip
     """Each camera's change from `given` to `moved` (world-to-camera [4,4] matrices): the angle of
     the rotation between them in degrees, and the distance between their centres as a fraction of
-    `extent`; per view by name, and their medians and maxima with the view that moved most."""
-    rotation, centre = {}, {}
-    for name, a, b in zip(names, given, moved, strict=True):
-        a, b = a.double(), b.double()
-        # inverses, not transposes: a float32 pose is orthonormal only to ~1e-7, which would move
-        # the angle of a 0.2 degree turn by ~1e-3 degrees
-        turn = b[:3, :3] @ torch.linalg.inv(a[:3, :3])
-        axis = torch.stack([turn[2, 1] - turn[1, 2], turn[0, 2] - turn[2, 0], turn[1, 0] - turn[0, 1]])
-        # atan2 of sin and cos keeps small angles exact, where acos of the trace would lose them
-        rotation[name] = math.degrees(math.atan2(float(axis.norm()) / 2, (float(turn.trace()) - 1) / 2))
-        shift = torch.linalg.solve(a[:3, :3], a[:3, 3]) - torch.linalg.solve(b[:3, :3], b[:3, 3])
-        centre[name] = float(shift.norm()) / extent
+    `extent` (pose_align.view_errors); per view by name, and their medians and maxima with the
+    view that moved most."""
+    as_arrays = lambda mats: [m.detach().double().cpu().numpy() for m in mats]  # noqa: E731
+    rotation, centre = (dict(zip(names, errors.tolist(), strict=True))
+                        for errors in view_errors(as_arrays(moved), as_arrays(given), extent))  # fmt: skip
 
     def spread(values: dict[str, float]) -> dict[str, Any]:
         most = max(values, key=values.__getitem__)
