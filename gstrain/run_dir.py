@@ -28,9 +28,9 @@ from gstrain.errors import UserError
 from gstrain.files import make_dir, write_text_atomic
 from gstrain.render.sh import sh_degree_at
 from gstrain.run_lock import LOCK_FILE, RunLock
-from gstrain.signals import stop_signals_deferred
 from gstrain.train.checkpoint import find_checkpoint, list_checkpoints, set_aside
 from gstrain.train.run_record import SUMMARY_FILE
+from gstrain.train.run_state import _StopFlag
 
 if TYPE_CHECKING:
     import torch
@@ -99,13 +99,15 @@ def create_run_dir(run_dir: Path, scene: Path, cfg: Config, lock: RunLock | None
     digest = _scene_digest_or_none(scene)
     if digest is not None:  # fit has loaded the scene by now; only a caller without one has none
         meta[SCENE_DIGEST] = digest
-    with stop_signals_deferred():
+    with _StopFlag(abort_on_second=False) as stop:  # the training loop's flag: a stop waits for run.json
         make_dir(run_dir)
         if lock is not None:
             lock.acquire()
             check_new_run_dir(run_dir)  # again under the lock: a fit that started meanwhile has written it
         save_config(cfg, run_dir / CONFIG_FILE)
         write_text_atomic(run_dir / RUN_FILE, json.dumps(meta, indent=2))
+    if stop.requested:
+        raise KeyboardInterrupt
 
 
 def _scene_digest_or_none(scene: Path) -> str | None:
